@@ -1,0 +1,53 @@
+"""The envelope every event carries, and the base Struct behaviour set once."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import time
+import uuid
+from typing import Annotated
+
+import msgspec
+
+#: Bumped when the set of tags changes; sent in the ``Artery-Schema`` header.
+SCHEMA_VERSION = "1"
+
+# Project and model names become NATS subject tokens and KV keys, so they are restricted to
+# characters that are safe in both (no dots, wildcards or whitespace).
+NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+Name = Annotated[str, msgspec.Meta(pattern=NAME_PATTERN, description="project or model name")]
+EventId = Annotated[str, msgspec.Meta(min_length=1, max_length=128, description="globally unique event id")]
+Step = Annotated[int, msgspec.Meta(ge=0, description="policy version: the training step")]
+
+
+def new_event_id() -> str:
+    """A UUIDv7 (time-ordered, so ids sort by creation and index well in PostgreSQL)."""
+    ms = time.time_ns() // 1_000_000
+    rand = int.from_bytes(os.urandom(10), "big")
+    value = (ms & ((1 << 48) - 1)) << 80 | 0x7 << 76 | (rand >> 68 & 0xFFF) << 64
+    value |= 0b10 << 62 | rand & ((1 << 62) - 1)
+    return str(uuid.UUID(int=value))
+
+
+def utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+class Struct(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Base for nested wire types: keyword-only, defaults omitted from the encoding."""
+
+
+class Event(Struct, kw_only=True, tag_field="event"):
+    """The envelope: every event on every subject carries these fields.
+
+    ``event`` (the tag) names the event type; ``id`` doubles as the JetStream
+    ``Nats-Msg-Id``, so a re-publish of the same event is de-duplicated by the server, and as
+    the idempotency key of every database write it causes.
+    """
+
+    id: EventId = msgspec.field(default_factory=new_event_id)
+    project: Name
+    model: Name
+    step: Step | None = None
+    time: dt.datetime = msgspec.field(default_factory=utcnow)

@@ -1,0 +1,3 @@
+from artery.services.collector.main import main
+
+main()

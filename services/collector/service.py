@@ -1,0 +1,156 @@
+"""The collector: trajectory groups in from JetStream, rows into PostgreSQL, ``group.ready`` out.
+
+Order matters for exactly-once storage: rows are committed, then ``group.ready`` is published
+(its id derived from the group id, so JetStream drops a repeat), then the message is acked. A
+crash anywhere in between redelivers the message, and every step is a no-op the second time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Sequence
+
+import asyncpg
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from opentelemetry import trace
+
+from artery.schemas import GroupReady
+from artery.services.collector.settings import CollectorSettings
+from artery.services.collector.store import StoredGroup, needs_reward, write_groups
+from artery.services.collector.validate import decode_group
+from artery.shared import subjects
+from artery.shared.bus import CONTENT_TYPE, prepare, publish_prepared
+from artery.shared.consumer import ConsumerOptions, DurableConsumer
+from artery.shared.db import create_pool
+from artery.shared.errors import DependencyUnavailable, InvalidMessage
+from artery.shared.logs import get_logger
+from artery.shared.tracing import extract, tracer
+
+log = get_logger(__name__)
+SERVICE = "collector"
+_READY_NAMESPACE = uuid.UUID("0d3c7f55-2a5e-4b1e-8f3a-726561647921")
+
+# What a lost database connection looks like from asyncpg: retry later, never dead-letter.
+_DB_DOWN = (
+    OSError,
+    asyncpg.exceptions.ConnectionDoesNotExistError,
+    asyncpg.exceptions.CannotConnectNowError,
+    asyncpg.exceptions.InterfaceError,
+    asyncpg.exceptions.AdminShutdownError,
+    asyncpg.exceptions.CrashShutdownError,
+    asyncpg.exceptions.ConnectionFailureError,
+    asyncio.TimeoutError,
+)
+
+
+def ready_event_id(group_id: str) -> str:
+    return str(uuid.uuid5(_READY_NAMESPACE, group_id))
+
+
+class Collector:
+    def __init__(self, js: JetStreamContext, dsn: str, settings: CollectorSettings):
+        self.js = js
+        self.dsn = dsn
+        self.settings = settings
+        self.pool: asyncpg.Pool | None = None
+        self._tracer = tracer(SERVICE)
+        self.consumer = DurableConsumer(
+            js,
+            service=SERVICE,
+            stream=subjects.TRAJECTORIES,
+            durable=subjects.COLLECTOR_CONSUMER,
+            filter_subject=subjects.TRAJECTORIES.subjects[0],
+            handler=self.handle_batch,
+            options=ConsumerOptions(
+                batch_size=settings.batch_size,
+                fetch_timeout_s=settings.fetch_timeout_s,
+                ack_wait_s=settings.ack_wait_s,
+                max_deliveries=settings.max_deliveries,
+                backoff_max_s=settings.backoff_max_s,
+            ),
+        )
+
+    async def run(self) -> None:
+        await self.consumer.run()
+
+    def stop(self) -> None:
+        self.consumer.stop()
+
+    async def close(self) -> None:
+        if self.pool is not None:
+            await self.pool.close()
+
+    async def handle_batch(self, msgs: Sequence[Msg]) -> list[BaseException | None]:
+        outcomes: list[BaseException | None] = [None] * len(msgs)
+        valid: list[tuple[int, StoredGroup]] = []
+        for i, msg in enumerate(msgs):
+            try:
+                group = decode_group(
+                    msg.subject,
+                    msg.data,
+                    (msg.headers or {}).get(CONTENT_TYPE),
+                    max_bytes=self.settings.max_group_bytes,
+                    max_trajectories=self.settings.max_trajectories,
+                )
+            except InvalidMessage as exc:
+                outcomes[i] = exc
+                continue
+            valid.append((i, StoredGroup(group, msg.metadata.sequence.stream)))
+        if not valid:
+            return outcomes
+        try:
+            await self._store([item for _, item in valid])
+            await self._announce(msgs, valid)
+        except DependencyUnavailable as exc:
+            for i, _ in valid:
+                outcomes[i] = exc
+        return outcomes
+
+    async def _store(self, batch: list[StoredGroup]) -> set[str]:
+        try:
+            if self.pool is None:
+                self.pool = await create_pool(self.dsn, max_size=self.settings.db_pool_size)
+            async with self.pool.acquire() as conn:
+                return await write_groups(conn, batch)
+        except _DB_DOWN as exc:
+            raise DependencyUnavailable(f"PostgreSQL unavailable: {exc!r}") from exc
+        except asyncpg.exceptions.PostgresError as exc:
+            if type(exc).__name__ in {"TooManyConnectionsError", "QueryCanceledError"}:
+                raise DependencyUnavailable(f"PostgreSQL busy: {exc!r}") from exc
+            raise
+
+    async def _announce(self, msgs: Sequence[Msg], valid: list[tuple[int, StoredGroup]]) -> None:
+        """Publish one ``group.ready`` per stored group, each in its submission's trace."""
+        items = []
+        for i, item in valid:
+            g = item.group
+            ready = GroupReady(
+                id=ready_event_id(g.id),
+                project=g.project,
+                model=g.model,
+                step=g.step,
+                group_id=g.id,
+                split=g.split,
+                num_trajectories=len(g.trajectories),
+                rewards=[t.reward for t in g.trajectories],
+                needs_reward=needs_reward(g),
+                stream_seq=item.stream_seq,
+            )
+            parent = extract(msgs[i].headers)
+            with self._tracer.start_as_current_span(
+                "collector.store_group",
+                context=parent,
+                kind=trace.SpanKind.CONSUMER,
+                attributes={
+                    "artery.group_id": g.id,
+                    "artery.project": g.project,
+                    "artery.model": g.model,
+                },
+            ):
+                items.append(prepare(subjects.group_ready(g.project, g.model), ready))
+        try:
+            await publish_prepared(self.js, items)
+        except Exception as exc:  # rows are committed; the redelivery will announce again
+            raise DependencyUnavailable(f"publishing group.ready failed: {exc!r}") from exc

@@ -1,0 +1,82 @@
+"""Turning raw messages into trusted trajectory groups (pure: no NATS, no database).
+
+The schema (msgspec) checks shapes and types; this adds what a type cannot say: finite numbers,
+a subject that matches the payload, sizes within bounds.
+"""
+
+from __future__ import annotations
+
+import math
+
+from artery.schemas import TrajectoryGroupSubmitted
+from artery.shared import subjects
+from artery.shared.codec import EventDecoder
+from artery.shared.errors import InvalidMessage
+
+_decoder = EventDecoder(TrajectoryGroupSubmitted)
+
+
+def decode_group(
+    subject: str,
+    data: bytes,
+    content_type: str | None,
+    *,
+    max_bytes: int,
+    max_trajectories: int,
+) -> TrajectoryGroupSubmitted:
+    if len(data) > max_bytes:
+        raise InvalidMessage("too_large", f"{len(data)} bytes is more than the limit of {max_bytes}")
+    if not data:
+        raise InvalidMessage("decode", "empty message")
+    group = _decoder.decode(data, content_type)
+    names = subjects.parse_trajectories(subject)
+    if names != (group.project, group.model):
+        raise InvalidMessage(
+            "subject_mismatch",
+            f"published on {subject!r} but names project {group.project!r} and model {group.model!r}",
+            original_id=group.id,
+        )
+    if len(group.trajectories) > max_trajectories:
+        raise InvalidMessage(
+            "too_large",
+            f"{len(group.trajectories)} trajectories is more than the limit of {max_trajectories}",
+            original_id=group.id,
+        )
+    check_finite(group)
+    return group
+
+
+def check_finite(group: TrajectoryGroupSubmitted) -> None:
+    """NaN and infinities would poison every mean and every advantage downstream."""
+    for i, trajectory in enumerate(group.trajectories):
+        if not math.isfinite(trajectory.reward):
+            raise InvalidMessage(
+                "non_finite",
+                f"trajectories[{i}].reward is {trajectory.reward}",
+                original_id=group.id,
+            )
+        for key, value in trajectory.metrics.items():
+            if isinstance(value, float) and not math.isfinite(value):
+                raise InvalidMessage(
+                    "non_finite",
+                    f"trajectories[{i}].metrics[{key!r}] is {value}",
+                    original_id=group.id,
+                )
+        for m, message in enumerate(trajectory.messages):
+            sample = message.sample
+            if sample is None:
+                continue
+            where = f"trajectories[{i}].messages[{m}].sample"
+            if len(sample.token_ids) != len(sample.logprobs):
+                raise InvalidMessage(
+                    "validation",
+                    f"{where}: {len(sample.token_ids)} token ids but {len(sample.logprobs)} logprobs",
+                    original_id=group.id,
+                )
+            if not all(map(math.isfinite, sample.logprobs)):
+                raise InvalidMessage(
+                    "non_finite", f"{where}.logprobs has a non-finite value", original_id=group.id
+                )
+    for key, value in group.metrics.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise InvalidMessage("non_finite", f"metrics[{key!r}] is {value}", original_id=group.id)

@@ -1,0 +1,95 @@
+"""asyncpg pool and versioned migrations.
+
+Migrations are the numbered ``migrations/NNNN_name.sql`` files, applied in order, each in its own
+transaction, recorded in ``schema_migrations``. An advisory lock makes concurrent starts (several
+collector replicas) apply each migration once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from importlib import resources
+
+import asyncpg
+
+from artery.shared.logs import get_logger
+
+log = get_logger(__name__)
+
+MIGRATION_LOCK_ID = 0x417274657279  # "Artery"
+_NAME = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
+
+
+def migrations() -> list[tuple[int, str, str]]:
+    """(version, name, sql) of every migration shipped with the package, in order."""
+    found = []
+    for entry in resources.files("artery.shared").joinpath("migrations").iterdir():
+        match = _NAME.match(entry.name)
+        if match:
+            found.append((int(match.group(1)), match.group(2), entry.read_text()))
+    return sorted(found)
+
+
+async def migrate(conn: asyncpg.Connection) -> list[int]:
+    """Apply what is missing; return the versions applied now."""
+    applied_now = []
+    await conn.execute("SELECT pg_advisory_lock($1)", MIGRATION_LOCK_ID)
+    try:
+        await conn.execute(
+            "CREATE TABLE IF NOT EXISTS schema_migrations ("
+            " version integer PRIMARY KEY, name text NOT NULL,"
+            " applied_at timestamptz NOT NULL DEFAULT now())"
+        )
+        done = {r["version"] for r in await conn.fetch("SELECT version FROM schema_migrations")}
+        for version, name, sql in migrations():
+            if version in done:
+                continue
+            async with conn.transaction():
+                await conn.execute(sql)
+                await conn.execute(
+                    "INSERT INTO schema_migrations (version, name) VALUES ($1, $2)", version, name
+                )
+            applied_now.append(version)
+    finally:
+        await conn.execute("SELECT pg_advisory_unlock($1)", MIGRATION_LOCK_ID)
+    return applied_now
+
+
+async def _init_connection(conn: asyncpg.Connection) -> None:
+    # jsonb as already-encoded JSON bytes: msgspec encodes, PostgreSQL stores, no dict round trip.
+    # The binary format (a version byte, then the text) is what COPY needs.
+    await conn.set_type_codec(
+        "jsonb",
+        schema="pg_catalog",
+        format="binary",
+        encoder=lambda value: b"\x01" + (value if isinstance(value, bytes) else json.dumps(value).encode()),
+        decoder=lambda data: json.loads(data[1:]),
+    )
+
+
+async def create_pool(dsn: str, *, min_size: int = 1, max_size: int = 4) -> asyncpg.Pool:
+    return await asyncpg.create_pool(
+        dsn, min_size=min_size, max_size=max_size, init=_init_connection, command_timeout=30
+    )
+
+
+async def migrate_when_ready(dsn: str, *, attempts: int = 60, delay_s: float = 1.0) -> None:
+    """Wait for PostgreSQL to accept connections (it may start after us), then migrate."""
+    for attempt in range(1, attempts + 1):
+        try:
+            conn = await asyncpg.connect(dsn, timeout=5)
+        except (OSError, asyncpg.exceptions.CannotConnectNowError) as exc:
+            if attempt == attempts:
+                raise
+            log.warning("waiting for PostgreSQL", attempt=attempt, error=repr(exc))
+            await asyncio.sleep(delay_s)
+            continue
+        try:
+            applied = await migrate(conn)
+            if applied:
+                log.info("migrated", versions=applied)
+            return
+        finally:
+            await conn.close()

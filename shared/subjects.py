@@ -1,0 +1,80 @@
+"""Every subject, stream, consumer and bucket name Artery uses, in one place.
+
+Handlers never spell a subject themselves; the AsyncAPI document is generated from this module.
+Project and model names are single subject tokens (see ``schemas.base.NAME_PATTERN``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PREFIX = "artery"
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    name: str
+    subjects: tuple[str, ...]
+    description: str
+
+
+TRAJECTORIES = StreamSpec(
+    "ARTERY_TRAJECTORIES", (f"{PREFIX}.traj.>",), "trajectory groups published by agents"
+)
+GROUPS = StreamSpec("ARTERY_GROUPS", (f"{PREFIX}.group.>",), "stored groups: ready for reward, then scored")
+TRAINING = StreamSpec("ARTERY_TRAINING", (f"{PREFIX}.train.>",), "train requests and their outcomes")
+CHECKPOINTS = StreamSpec("ARTERY_CHECKPOINTS", (f"{PREFIX}.ckpt.>",), "adapters saved, published and deleted")
+DLQ = StreamSpec("ARTERY_DLQ", (f"{PREFIX}.dlq.>",), "rejected input with the reason")
+
+STREAMS: tuple[StreamSpec, ...] = (TRAJECTORIES, GROUPS, TRAINING, CHECKPOINTS, DLQ)
+
+# Durable consumers, one per role: replicas of a service share it and split the work.
+COLLECTOR_CONSUMER = "collector"
+
+# Key-value buckets and the object store.
+MODELS_BUCKET = "artery_models"  # key <project>.<model>: registration and current step
+REPLICAS_BUCKET = "artery_replicas"  # key <replica id>: heartbeat (entries expire)
+ADAPTERS_BUCKET = "artery_adapters"  # object store: LoRA adapters
+
+
+def trajectories(project: str, model: str) -> str:
+    return f"{PREFIX}.traj.{project}.{model}"
+
+
+def group_ready(project: str, model: str) -> str:
+    return f"{PREFIX}.group.ready.{project}.{model}"
+
+
+def group_scored(project: str, model: str) -> str:
+    return f"{PREFIX}.group.scored.{project}.{model}"
+
+
+def train(kind: str, project: str, model: str) -> str:
+    """``kind`` is ``requested``, ``completed`` or ``failed``."""
+    return f"{PREFIX}.train.{kind}.{project}.{model}"
+
+
+def checkpoint(kind: str, project: str, model: str) -> str:
+    """``kind`` is ``saved``, ``published`` or ``deleted``."""
+    return f"{PREFIX}.ckpt.{kind}.{project}.{model}"
+
+
+def control(action: str, project: str, model: str) -> str:
+    """``action`` is ``pause`` or ``resume``; request/reply, no stream."""
+    return f"{PREFIX}.control.inference.{project}.{model}.{action}"
+
+
+def dead_letter(service: str) -> str:
+    return f"{PREFIX}.dlq.{service}"
+
+
+def model_key(project: str, model: str) -> str:
+    return f"{project}.{model}"
+
+
+def parse_trajectories(subject: str) -> tuple[str, str] | None:
+    """(project, model) of a trajectory subject, or None when it is not one."""
+    parts = subject.split(".")
+    if len(parts) != 4 or parts[:2] != [PREFIX, "traj"]:
+        return None
+    return parts[2], parts[3]
