@@ -57,7 +57,7 @@ async def migrate(conn: asyncpg.Connection) -> list[int]:
     return applied_now
 
 
-async def _init_connection(conn: asyncpg.Connection) -> None:
+async def init_connection(conn: asyncpg.Connection) -> None:
     # jsonb as already-encoded JSON bytes: msgspec encodes, PostgreSQL stores, no dict round trip.
     # The binary format (a version byte, then the text) is what COPY needs.
     await conn.set_type_codec(
@@ -71,7 +71,7 @@ async def _init_connection(conn: asyncpg.Connection) -> None:
 
 async def create_pool(dsn: str, *, min_size: int = 1, max_size: int = 4) -> asyncpg.Pool:
     return await asyncpg.create_pool(
-        dsn, min_size=min_size, max_size=max_size, init=_init_connection, command_timeout=30
+        dsn, min_size=min_size, max_size=max_size, init=init_connection, command_timeout=30
     )
 
 
