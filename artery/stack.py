@@ -158,15 +158,30 @@ class Stack:
 
 def _create_database(server: PostgresServer, name: str) -> None:
     exists = subprocess.run(
-        [str(postgres_bin_dir() / "psql"), server.dsn(), "-tAc",
-         f"SELECT 1 FROM pg_database WHERE datname = '{name}'"],
-        capture_output=True, text=True, check=True,
+        [
+            str(postgres_bin_dir() / "psql"),
+            server.dsn(),
+            "-tAc",
+            f"SELECT 1 FROM pg_database WHERE datname = '{name}'",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout.strip()
     if not exists:
         subprocess.run(
-            [str(postgres_bin_dir() / "createdb"), "-h", "127.0.0.1", "-p", str(server.port),
-             "-U", "postgres", name],
-            check=True, capture_output=True,
+            [
+                str(postgres_bin_dir() / "createdb"),
+                "-h",
+                "127.0.0.1",
+                "-p",
+                str(server.port),
+                "-U",
+                "postgres",
+                name,
+            ],
+            check=True,
+            capture_output=True,
         )
 
 

@@ -15,6 +15,7 @@ from artery.schemas.checkpoints import CheckpointDeleted, CheckpointPublished, C
 from artery.schemas.control import PauseAck, PauseInference, ReplicaInfo, ResumeAck, ResumeInference
 from artery.schemas.deadletter import DeadLetter
 from artery.schemas.groups import GroupReady, GroupScored, TrajectoryScore
+from artery.schemas.models import ModelRecord
 from artery.schemas.training import TrainCompleted, TrainConfig, TrainFailed, TrainRequested
 from artery.schemas.trajectory import (
     ContentPart,
@@ -52,6 +53,7 @@ __all__ = [
     "ImagePart",
     "ImageURL",
     "Message",
+    "ModelRecord",
     "PauseAck",
     "PauseInference",
     "ReplicaInfo",

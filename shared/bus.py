@@ -169,3 +169,17 @@ async def publish_events(
     return await publish_prepared(
         js, [prepare(subject, event, content_type=content_type) for subject, event in items]
     )
+
+
+async def close(nc: nats.NATS) -> None:
+    """Flush what is buffered (acks, publishes), then close.
+
+    Not ``drain()``: nats-py's drain waits on pull subscriptions that never finish draining.
+    """
+    if nc.is_closed:
+        return
+    try:
+        await nc.flush(timeout=2)
+    except Exception as exc:  # best effort: a broker that is gone cannot be flushed to
+        log.warning("flush before close failed", error=repr(exc))
+    await nc.close()

@@ -6,6 +6,7 @@ import asyncio
 
 from artery.services.collector.service import Collector
 from artery.services.collector.settings import PREFIX, CollectorSettings
+from artery.shared import bus
 from artery.shared.db import migrate_when_ready
 from artery.shared.errors import ConfigError
 from artery.shared.runtime import connect_service, run_service
@@ -24,7 +25,7 @@ async def start(common: CommonSettings, stop: asyncio.Event) -> None:
     collector.stop()
     await task
     await collector.close()
-    await nc.drain()
+    await bus.close(nc)
 
 
 def main() -> None:

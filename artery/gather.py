@@ -1,0 +1,155 @@
+"""Running many rollouts at once: ``gather_trajectory_groups`` and ``gather_trajectories``.
+
+A gather sets a context (a contextvar) that the awaitable ``TrajectoryGroup``s inside it report
+to: how many trajectories to expect, which finished, which raised. The context owns the
+progress bar and enforces ``max_exceptions``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import math
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from artery.trajectories import Trajectory, TrajectoryGroup
+
+_current: contextvars.ContextVar[GatherContext | None] = contextvars.ContextVar("artery_gather", default=None)
+
+
+def current_gather() -> GatherContext | None:
+    return _current.get()
+
+
+class TooManyExceptions(RuntimeError):
+    """More rollouts raised than ``max_exceptions`` allows; the last one is the cause."""
+
+
+class GatherContext:
+    def __init__(self, desc: str, max_exceptions: int | float, max_metrics: int | None = None):
+        if max_exceptions < 0:
+            raise ValueError("max_exceptions must be >= 0")
+        self.max_exceptions = max_exceptions
+        self.max_metrics = max_metrics
+        self.total = 0
+        self.done = 0
+        self.exceptions = 0
+        self.sums: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+        self.pbar = tqdm(total=0, desc=desc, unit="rollout", dynamic_ncols=True)
+
+    def add_total(self, n: int) -> None:
+        self.total += n
+        self.pbar.total = self.total
+        self.pbar.refresh()
+
+    def allowed_exceptions(self) -> float:
+        """``0 < x < 1`` is a fraction of all rollouts; anything else is a count."""
+        if 0 < self.max_exceptions < 1:
+            return math.floor(self.max_exceptions * max(self.total, 1))
+        return self.max_exceptions
+
+    def record_exception(self, exc: BaseException) -> None:
+        self.exceptions += 1
+        self.done += 1
+        self.pbar.update(1)
+        self._postfix()
+        if self.exceptions > self.allowed_exceptions():
+            raise TooManyExceptions(
+                f"{self.exceptions} rollouts raised; max_exceptions={self.max_exceptions}"
+            ) from exc
+
+    def record_trajectory(self, trajectory: Trajectory) -> None:
+        self.done += 1
+        self._add("reward", trajectory.reward)
+        for key, value in trajectory.metrics.items():
+            if isinstance(value, int | float) and (
+                self.max_metrics is None or len(self.sums) < self.max_metrics or key in self.sums
+            ):
+                self._add(key, float(value))
+        self.pbar.update(1)
+        self._postfix()
+
+    def _add(self, key: str, value: float) -> None:
+        self.sums[key] = self.sums.get(key, 0.0) + value
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+    def means(self) -> dict[str, float]:
+        return {k: self.sums[k] / self.counts[k] for k in self.sums}
+
+    def _postfix(self) -> None:
+        postfix = {k: f"{v:.3g}" for k, v in self.means().items()}
+        if self.exceptions:
+            postfix["exceptions"] = str(self.exceptions)
+        self.pbar.set_postfix(postfix, refresh=False)
+
+    def close(self) -> None:
+        self.pbar.close()
+
+
+AfterEach = Callable[[TrajectoryGroup], Awaitable[TrajectoryGroup | list[TrajectoryGroup] | None]]
+
+
+async def gather_trajectory_groups(
+    groups: Iterable[Awaitable[TrajectoryGroup]],
+    *,
+    pbar_desc: str = "gather",
+    max_exceptions: int | float = 0,
+    max_metrics: int | None = None,
+    after_each: AfterEach | None = None,
+) -> list[TrajectoryGroup]:
+    """Await every group concurrently; return them in the order given.
+
+    ``after_each`` runs on each finished group (scoring, filtering): ``None`` drops the group,
+    a list replaces it with several.
+    """
+    context = GatherContext(pbar_desc, max_exceptions, max_metrics)
+    token = _current.set(context)
+    try:
+        # Each group task copies the context, so the groups see this gather.
+        async def finish(awaitable: Awaitable[TrajectoryGroup]) -> list[TrajectoryGroup]:
+            group = await awaitable
+            if after_each is None:
+                return [group]
+            result = await after_each(group)
+            if result is None:
+                return []
+            return result if isinstance(result, list) else [result]
+
+        results = await asyncio.gather(*(finish(g) for g in groups))
+    finally:
+        _current.reset(token)
+        context.close()
+    return [group for batch in results for group in batch]
+
+
+async def gather_trajectories(
+    trajectories: Iterable[Awaitable[Trajectory]],
+    *,
+    pbar_desc: str = "gather",
+    max_exceptions: int | float = 0,
+) -> list[Trajectory]:
+    """Like ``gather_trajectory_groups`` for loose trajectories; raised ones are left out."""
+    context = GatherContext(pbar_desc, max_exceptions)
+    token = _current.set(context)
+    items = list(trajectories)
+    context.add_total(len(items))
+
+    async def run(awaitable: Awaitable[Trajectory]) -> Trajectory | None:
+        try:
+            trajectory = await awaitable
+        except Exception as exc:
+            context.record_exception(exc)
+            return None
+        context.record_trajectory(trajectory)
+        return trajectory
+
+    try:
+        results: list[Any] = await asyncio.gather(*(run(t) for t in items))
+    finally:
+        _current.reset(token)
+        context.close()
+    return [t for t in results if t is not None]

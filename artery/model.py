@@ -1,0 +1,160 @@
+"""``art.Model`` and ``art.TrainableModel``: a named policy and where it lives."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from artery.schemas.base import NAME_PATTERN
+from artery.trajectories import Trajectory, TrajectoryGroup
+
+if TYPE_CHECKING:
+    from artery.backend import Backend
+
+import re
+
+_NAME = re.compile(NAME_PATTERN)
+#: Metric keys that already name their section are not prefixed with the split (as in ART).
+_SECTIONS = ("reward", "loss", "offpolicy", "pipeline", "throughput", "costs", "time", "data")
+
+
+class Model:
+    trainable = False
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        project: str,
+        entity: str | None = None,
+        id: str | None = None,
+        config: dict[str, Any] | None = None,
+        inference_api_key: str | None = None,
+        inference_base_url: str | None = None,
+        inference_model_name: str | None = None,
+        base_path: str = ".artery",
+        report_metrics: list[str] | None = None,
+    ):
+        for label, value in (("name", name), ("project", project)):
+            if not _NAME.match(value):
+                raise ValueError(f"model {label} {value!r} must match {NAME_PATTERN} (it is a subject token)")
+        if config is not None:
+            json.dumps(config)  # as ART: the config must be JSON-serialisable, checked early
+        self.name = name
+        self.project = project
+        self.entity = entity
+        self.id = id
+        self.config = config
+        self.inference_api_key = inference_api_key
+        self.inference_base_url = inference_base_url
+        self.inference_model_name = inference_model_name
+        self.base_path = base_path
+        self.report_metrics = report_metrics
+        self._backend: Backend | None = None
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(project={self.project!r}, name={self.name!r})"
+
+    @property
+    def backend(self) -> Backend:
+        if self._backend is None:
+            raise RuntimeError(f"{self!r} is not registered: call `await model.register(backend)` first")
+        return self._backend
+
+    async def register(self, backend: Backend) -> None:
+        await backend.register(self)
+        self._backend = backend
+
+    def get_inference_name(self, step: int | None = None) -> str:
+        """``name@step``, or the bare name for the latest step."""
+        return self.name if step is None else f"{self.name}@{step}"
+
+    async def get_step(self) -> int:
+        if not self.trainable:
+            return 0
+        return await self.backend._get_step(self)
+
+    async def publish(
+        self, groups: TrajectoryGroup | Iterable[TrajectoryGroup], *, split: str = "train"
+    ) -> list[str]:
+        """Send finished groups to Artery (stored, then scored and trained on); return their ids."""
+        if isinstance(groups, TrajectoryGroup):
+            groups = [groups]
+        return await self.backend.publish(self, groups, split=split)
+
+    @property
+    def directory(self) -> Path:
+        return Path(self.base_path) / self.project / "models" / self.name
+
+    async def log(
+        self,
+        trajectories: Iterable[Trajectory] | Iterable[TrajectoryGroup] | None = None,
+        split: str = "val",
+        *,
+        metrics: dict[str, float] | None = None,
+        step: int | None = None,
+    ) -> dict[str, float]:
+        """Record metrics for ``step`` in ``history.jsonl`` and store the trajectories.
+
+        As in ART: the mean reward, the exception rate, every trajectory metric and the mean
+        within-group reward std are averaged and prefixed with ``split/``. The groups are
+        published with that split, so they are kept in PostgreSQL but not trained on (unless
+        the split is ``train``).
+        """
+        groups = _as_groups(trajectories)
+        row = dict(metrics or {})
+        if groups:
+            row.update(summarize(groups))
+            await self.publish([g for g in groups if len(g)], split=split)
+        row = {k if k.split("/")[0] in _SECTIONS or "/" in k else f"{split}/{k}": v for k, v in row.items()}
+        row = {k: v for k, v in row.items() if not (isinstance(v, float) and math.isnan(v))}
+        step = await self.get_step() if step is None else step
+        _append_history(self.directory / "history.jsonl", {"step": step, "recorded_at": time.time(), **row})
+        return row
+
+
+class TrainableModel(Model):
+    trainable = True
+
+    def __init__(self, *, name: str, project: str, base_model: str, **kwargs):
+        super().__init__(name=name, project=project, **kwargs)
+        self.base_model = base_model
+
+
+def _append_history(path: Path, row: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def _as_groups(items) -> list[TrajectoryGroup]:
+    if items is None:
+        return []
+    items = list(items)
+    if all(isinstance(i, TrajectoryGroup) for i in items):
+        return items
+    return [TrajectoryGroup([t]) for t in items]
+
+
+def summarize(groups: list[TrajectoryGroup]) -> dict[str, float]:
+    """ART's averages: reward, exception_rate, each metric, reward_std_dev (within-group)."""
+    trajectories = [t for g in groups for t in g]
+    exceptions = sum(len(g.exceptions) for g in groups)
+    out: dict[str, float] = {}
+    if trajectories:
+        out["reward"] = statistics.fmean(t.reward for t in trajectories)
+        keys = {k for t in trajectories for k in t.metrics}
+        for key in sorted(keys):
+            values = [float(t.metrics[key]) for t in trajectories if key in t.metrics]
+            out[key] = statistics.fmean(values)
+        stds = [statistics.pstdev([t.reward for t in g]) for g in groups if len(g) > 1]
+        if stds:
+            out["reward_std_dev"] = statistics.fmean(stds)
+    total = len(trajectories) + exceptions
+    out["exception_rate"] = exceptions / total if total else 0.0
+    return out

@@ -1,0 +1,190 @@
+"""``art.Trajectory`` and ``art.TrajectoryGroup``: ART's shape, Artery's wire underneath."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import inspect
+import time
+import traceback
+from collections.abc import Awaitable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from artery import convert
+from artery.schemas import History as WireHistory
+from artery.schemas import RewardSpec, Tool, TrajectoryException, TrajectoryGroupSubmitted
+from artery.schemas import Trajectory as WireTrajectory
+
+
+def _tools(tools: list[Any] | None) -> list[Tool] | None:
+    if tools is None:
+        return None
+    return [t if isinstance(t, Tool) else msgspec.convert(convert._as_dict(t), Tool) for t in tools]
+
+
+@dataclass
+class History:
+    messages_and_choices: list[Any] = field(default_factory=list)
+    tools: list[Any] | None = None
+
+    def to_wire(self) -> WireHistory:
+        return WireHistory(messages=convert.to_messages(self.messages_and_choices), tools=_tools(self.tools))
+
+
+@dataclass
+class Trajectory:
+    """One rollout: the conversation, the reward, and whatever the agent wants to keep."""
+
+    messages_and_choices: list[Any] = field(default_factory=list)
+    tools: list[Any] | None = None
+    additional_histories: list[History] = field(default_factory=list)
+    reward: float = 0.0
+    initial_policy_version: int | None = None
+    final_policy_version: int | None = None
+    metrics: dict[str, float | int | bool] = field(default_factory=dict)
+    metadata: dict[str, float | int | str | bool | None] = field(default_factory=dict)
+    logs: list[str] = field(default_factory=list)
+    start_time: dt.datetime = field(default_factory=lambda: dt.datetime.now(dt.UTC), repr=False)
+
+    def log(self, message: str) -> None:
+        self.logs.append(message)
+
+    def finish(self) -> Trajectory:
+        self.metrics["duration"] = (dt.datetime.now(dt.UTC) - self.start_time).total_seconds()
+        return self
+
+    @contextlib.asynccontextmanager
+    async def track_duration(self, name: str):
+        """Add the time spent inside the block to ``metrics[f"{name}_duration"]``."""
+        start = time.monotonic()
+        try:
+            yield
+        finally:
+            key = f"{name}_duration"
+            self.metrics[key] = float(self.metrics.get(key, 0.0)) + time.monotonic() - start
+
+    def messages(self) -> list[dict[str, Any]]:
+        """The conversation as OpenAI message dicts (choices become assistant messages)."""
+        out = []
+        for message in convert.to_messages(self.messages_and_choices):
+            item = msgspec.to_builtins(message)
+            item.pop("sample", None)
+            item.pop("trainable", None)
+            if message.role == "assistant":
+                item.setdefault("content", "")
+            out.append(item)
+        return out
+
+    def to_wire(self) -> WireTrajectory:
+        return WireTrajectory(
+            messages=convert.to_messages(self.messages_and_choices),
+            tools=_tools(self.tools),
+            additional_histories=[h.to_wire() for h in self.additional_histories],
+            reward=float(self.reward),
+            initial_policy_version=self.initial_policy_version,
+            final_policy_version=self.final_policy_version,
+            metrics=dict(self.metrics),
+            metadata=dict(self.metadata),
+            logs=list(self.logs),
+        )
+
+
+def exception_record(exc: BaseException) -> TrajectoryException:
+    return TrajectoryException(
+        type=type(exc).__name__,
+        message=str(exc),
+        traceback="".join(traceback.format_exception(exc))[-8000:],
+    )
+
+
+class TrajectoryGroup:
+    """Rollouts of the same input, compared with each other by GRPO.
+
+    Given awaitables (``TrajectoryGroup(rollout(s) for _ in range(8))``), the constructor returns
+    an awaitable that runs them concurrently, keeps the exceptions (within the enclosing
+    ``gather_trajectory_groups``'s ``max_exceptions``) and updates its progress bar.
+    """
+
+    def __new__(cls, trajectories: Iterable[Trajectory | Awaitable[Trajectory]] = (), **kwargs):
+        items = list(trajectories)
+        if any(inspect.isawaitable(item) for item in items):
+            return _gather_group(cls, items, kwargs)
+        return super().__new__(cls)
+
+    def __init__(
+        self,
+        trajectories: Iterable[Trajectory] = (),
+        *,
+        exceptions: list[BaseException | TrajectoryException] | None = None,
+        metadata: dict[str, Any] | None = None,
+        metrics: dict[str, float | int | bool] | None = None,
+        logs: list[str] | None = None,
+        reward: RewardSpec | None = None,
+    ):
+        self.trajectories: list[Trajectory] = list(trajectories)
+        self.exceptions = [
+            e if isinstance(e, TrajectoryException) else exception_record(e) for e in exceptions or []
+        ]
+        self.metadata = dict(metadata or {})
+        self.metrics = dict(metrics or {})
+        self.logs = list(logs or [])
+        #: How the reward service should score the group (RULER); unset: the agent's rewards.
+        self.reward = reward
+
+    def __iter__(self) -> Iterator[Trajectory]:
+        return iter(self.trajectories)
+
+    def __len__(self) -> int:
+        return len(self.trajectories)
+
+    def __repr__(self) -> str:
+        rewards = [round(t.reward, 3) for t in self.trajectories]
+        return f"TrajectoryGroup(rewards={rewards}, exceptions={len(self.exceptions)})"
+
+    def to_event(
+        self, *, project: str, model: str, step: int | None = None, split: str = "train"
+    ) -> TrajectoryGroupSubmitted:
+        if not self.trajectories:
+            raise ValueError("a trajectory group needs at least one trajectory")
+        return TrajectoryGroupSubmitted(
+            project=project,
+            model=model,
+            step=step,
+            trajectories=[t.to_wire() for t in self.trajectories],
+            exceptions=list(self.exceptions),
+            metadata=dict(self.metadata),
+            metrics=dict(self.metrics),
+            logs=list(self.logs),
+            split=split,
+            reward=self.reward,
+        )
+
+
+async def _gather_group(cls, items: list[Any], kwargs: dict[str, Any]) -> TrajectoryGroup:
+    from artery.gather import current_gather  # the gather context is optional
+
+    context = current_gather()
+    if context is not None:
+        context.add_total(len(items))
+
+    async def run(item):
+        try:
+            result = await item if inspect.isawaitable(item) else item
+        except Exception as exc:
+            if context is None:
+                raise
+            context.record_exception(exc)
+            return exc
+        if context is not None:
+            context.record_trajectory(result)
+        return result
+
+    results = await asyncio.gather(*(run(item) for item in items))
+    trajectories = [r for r in results if isinstance(r, Trajectory)]
+    exceptions = [r for r in results if isinstance(r, BaseException)]
+    exceptions += list(kwargs.pop("exceptions", None) or [])
+    return cls(trajectories, exceptions=exceptions, **kwargs)
