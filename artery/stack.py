@@ -22,6 +22,8 @@ from artery.shared.embedded import NatsServer, PostgresServer, postgres_bin_dir
 #: Every service that exists, in start order. Later issues add inference, reward, trainer, publisher.
 SERVICES: tuple[str, ...] = ("collector",)
 DATABASE = "artery"
+#: Every service logs this event once it is set up and serving (see ``shared.runtime``).
+READY_MARKER = b'"event": "ready"'
 
 
 @dataclass
@@ -31,8 +33,10 @@ class ServiceProcess:
     log_path: Path
     proc: subprocess.Popen | None = None
     restarts: int = 0
+    _log_offset: int = 0
 
     def start(self) -> None:
+        self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", f"artery.services.{self.name}"],
@@ -41,6 +45,21 @@ class ServiceProcess:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # Ctrl-C reaches the parent, which stops children in order
             )
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        """Block until the service logs its ``ready`` line (set-up done, consuming)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.running:
+                raise RuntimeError(
+                    f"{self.name} exited with code {self.proc.returncode}; see {self.log_path}"
+                )
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_offset)
+                if READY_MARKER in f.read():
+                    return
+            time.sleep(0.05)
+        raise TimeoutError(f"{self.name} not ready within {timeout}s; see {self.log_path}")
 
     @property
     def running(self) -> bool:
@@ -106,14 +125,18 @@ class Stack:
                 "ARTERY_NATS_URL": self.nats_url or "",
                 "ARTERY_DATABASE_URL": self.database_url or "",
                 "PYTHONUNBUFFERED": "1",
+                "ARTERY_LOG_FORMAT": "json",  # the readiness check reads these lines
             }
         )
         env.update(self.extra_env)
         return env
 
-    def start_services(self) -> None:
+    def start_services(self, wait: bool = True) -> None:
         for name in self.services:
             self.start_service(name)
+        if wait:
+            for name in self.services:
+                self.processes[name].wait_ready()
 
     def start_service(self, name: str) -> ServiceProcess:
         process = self.processes.get(name) or ServiceProcess(

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import datetime as dt
 import inspect
+import math
 import time
 import traceback
 from collections.abc import Awaitable, Iterable, Iterator
@@ -16,7 +17,7 @@ import msgspec
 
 from artery import convert
 from artery.schemas import History as WireHistory
-from artery.schemas import RewardSpec, Tool, TrajectoryException, TrajectoryGroupSubmitted
+from artery.schemas import RewardSpec, Tool, TrajectoryException, TrajectoryGroupSubmitted, new_event_id
 from artery.schemas import Trajectory as WireTrajectory
 
 
@@ -150,7 +151,11 @@ class TrajectoryGroup:
     ) -> TrajectoryGroupSubmitted:
         if not self.trajectories:
             raise ValueError("a trajectory group needs at least one trajectory")
+        for i, t in enumerate(self.trajectories):
+            if not math.isfinite(t.reward):
+                raise ValueError(f"trajectory {i} has reward {t.reward}: rewards must be finite")
         return TrajectoryGroupSubmitted(
+            id=new_event_id(),
             project=project,
             model=model,
             step=step,

@@ -19,6 +19,11 @@ NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 Name = Annotated[str, msgspec.Meta(pattern=NAME_PATTERN, description="project or model name")]
 EventId = Annotated[str, msgspec.Meta(min_length=1, max_length=128, description="globally unique event id")]
 Step = Annotated[int, msgspec.Meta(ge=0, description="policy version: the training step")]
+Split = Annotated[
+    str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,32}$", description="train, val, or another split")
+]
+#: Timestamps must carry a time zone (RFC 3339 with an offset or Z).
+Timestamp = Annotated[dt.datetime, msgspec.Meta(tz=True)]
 
 
 def new_event_id() -> str:
@@ -43,11 +48,12 @@ class Event(Struct, kw_only=True, tag_field="event"):
 
     ``event`` (the tag) names the event type; ``id`` doubles as the JetStream
     ``Nats-Msg-Id``, so a re-publish of the same event is de-duplicated by the server, and as
-    the idempotency key of every database write it causes.
+    the idempotency key of every database write it causes. It is required on the wire: an id
+    invented at decode time would differ on every redelivery. (``new_event_id()`` makes one.)
     """
 
-    id: EventId = msgspec.field(default_factory=new_event_id)
+    id: EventId
     project: Name
     model: Name
     step: Step | None = None
-    time: dt.datetime = msgspec.field(default_factory=utcnow)
+    time: Timestamp = msgspec.field(default_factory=utcnow)

@@ -34,6 +34,8 @@ class CheckpointPublished(Event, kw_only=True, tag="checkpoint.published"):
 
 
 class CheckpointDeleted(Event, kw_only=True, tag="checkpoint.deleted"):
+    """Retention removed the adapter for ``step``; replicas unload it."""
+
     object_name: str
     reason: str = "retention"
 

@@ -6,12 +6,11 @@ not wait in a stream for a replica that may never come back.
 
 from __future__ import annotations
 
-import datetime as dt
 from typing import Annotated
 
 import msgspec
 
-from artery.schemas.base import Event, EventId, Struct
+from artery.schemas.base import Event, EventId, Name, Struct, Timestamp
 
 
 class PauseInference(Event, kw_only=True, tag="control.pause"):
@@ -28,6 +27,8 @@ class PauseInference(Event, kw_only=True, tag="control.pause"):
 
 
 class ResumeInference(Event, kw_only=True, tag="control.resume"):
+    """End the pause held under ``lease_id``; a replica resumes at once."""
+
     lease_id: EventId
     requested_by: str
 
@@ -36,7 +37,7 @@ class PauseAck(Event, kw_only=True, tag="control.pause_ack"):
     replica_id: str
     lease_id: EventId
     paused: bool
-    lease_expires_at: dt.datetime
+    lease_expires_at: Timestamp
     #: Requests that were in flight when the pause arrived and were finished before the ack.
     drained_requests: int = 0
     freed_memory: bool = False
@@ -44,6 +45,8 @@ class PauseAck(Event, kw_only=True, tag="control.pause_ack"):
 
 
 class ResumeAck(Event, kw_only=True, tag="control.resume_ack"):
+    """A replica's answer to a resume: it admits requests again."""
+
     replica_id: str
     lease_id: EventId
     resumed: bool
@@ -53,14 +56,14 @@ class ReplicaInfo(Struct, kw_only=True):
     """A replica's entry in the replica KV bucket, rewritten on every heartbeat."""
 
     replica_id: str
-    project: str
-    model: str
+    project: Name
+    model: Name
     engine: str
     url: str
     served: list[str] = []
     paused: bool = False
     lease_id: str | None = None
-    heartbeat_at: dt.datetime | None = None
+    heartbeat_at: Timestamp | None = None
 
 
 ControlMessage = PauseInference | ResumeInference | PauseAck | ResumeAck

@@ -11,6 +11,8 @@ UNKNOWN = "_unknown"
 
 
 class DeadLetter(Event, kw_only=True, tag="dead_letter"):
+    """A message a service rejected for good, with the reason and the bytes (cut to a limit)."""
+
     service: str
     reason: str
     #: Machine-readable class of the failure (``decode``, ``validation``, ``too_large``, ...).

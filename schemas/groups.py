@@ -6,7 +6,7 @@ from typing import Annotated
 
 import msgspec
 
-from artery.schemas.base import Event, EventId, Struct
+from artery.schemas.base import Event, EventId, Split, Struct
 
 
 class GroupReady(Event, kw_only=True, tag="group.ready"):
@@ -17,7 +17,7 @@ class GroupReady(Event, kw_only=True, tag="group.ready"):
     """
 
     group_id: EventId
-    split: str = "train"
+    split: Split = "train"
     num_trajectories: Annotated[int, msgspec.Meta(ge=1)]
     #: Rewards as submitted, by trajectory index.
     rewards: list[float]
@@ -37,7 +37,7 @@ class GroupScored(Event, kw_only=True, tag="group.scored"):
     """Published by the reward service: the group's final rewards."""
 
     group_id: EventId
-    split: str = "train"
+    split: Split = "train"
     scores: list[TrajectoryScore]
     judge_model: str | None = None
 

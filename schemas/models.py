@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import datetime as dt
 from typing import Any
 
-from artery.schemas.base import Name, Step, Struct
+from artery.schemas.base import Name, Step, Struct, Timestamp
 
 
 class ModelRecord(Struct, kw_only=True):
@@ -17,4 +16,4 @@ class ModelRecord(Struct, kw_only=True):
     trainable: bool = False
     config: dict[str, Any] = {}
     step: Step = 0
-    registered_at: dt.datetime | None = None
+    registered_at: Timestamp | None = None

@@ -43,6 +43,8 @@ class TrainCompleted(Event, kw_only=True, tag="train.completed"):
 
 
 class TrainFailed(Event, kw_only=True, tag="train.failed"):
+    """The step asked for by ``request_id`` did not happen, and why."""
+
     request_id: EventId
     error: str
     #: Whether asking again can succeed (a lost lease) or not (no trainable groups).

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from artery.schemas.base import Event, Struct
+from artery.schemas.base import Event, Split, Struct
 
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 JSONObject = dict[str, Any]
@@ -141,6 +141,6 @@ class TrajectoryGroupSubmitted(Event, kw_only=True, tag="trajectory_group"):
     metrics: dict[str, float | int | bool] = {}
     logs: list[str] = []
     #: ``train`` groups feed the trainer; any other split (``val``) is stored and reported only.
-    split: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,32}$")] = "train"
+    split: Split = "train"
     #: How the group is to be rewarded; unset means the agent's rewards are final.
     reward: RewardSpec | None = None

@@ -81,6 +81,7 @@ class DurableConsumer:
         self.stats = ConsumerStats()
         self._backoff = self.options.backoff_initial_s
         self._stopping = asyncio.Event()
+        self._sub = None
 
     async def subscribe(self):
         o = self.options
@@ -100,9 +101,15 @@ class DurableConsumer:
     def stop(self) -> None:
         self._stopping.set()
 
-    async def run(self) -> None:
-        sub = await self.subscribe()
+    async def start(self) -> None:
+        """Create (or bind to) the durable consumer; ``run`` then processes messages."""
+        self._sub = await self.subscribe()
         log.info("consuming", stream=self.stream.name, durable=self.durable)
+
+    async def run(self) -> None:
+        if self._sub is None:
+            await self.start()
+        sub = self._sub
         while not self._stopping.is_set():
             try:
                 msgs = await sub.fetch(self.options.batch_size, timeout=self.options.fetch_timeout_s)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from artery.schemas import Message, Sample, Trajectory, TrajectoryGroupSubmitted
+from artery.schemas import Message, Sample, Trajectory, TrajectoryGroupSubmitted, new_event_id
 
 
 def trajectory(reward: float = 0.5, turns: int = 5, seed: int = 0) -> Trajectory:
@@ -26,6 +26,7 @@ def trajectory(reward: float = 0.5, turns: int = 5, seed: int = 0) -> Trajectory
 
 def group(project: str = "demo", model: str = "agent", size: int = 4, seed: int = 0, **kw):
     return TrajectoryGroupSubmitted(
+        id=new_event_id(),
         project=project,
         model=model,
         trajectories=[trajectory(reward=i / size, seed=seed * 1000 + i) for i in range(size)],

@@ -72,6 +72,9 @@ class Collector:
             ),
         )
 
+    async def start(self) -> None:
+        await self.consumer.start()
+
     async def run(self) -> None:
         await self.consumer.run()
 

@@ -1,0 +1,165 @@
+"""The ``artery`` command: ``up`` runs the whole system in the foreground, ``status`` shows it.
+
+``artery up`` starts the embedded NATS and PostgreSQL (or uses ``ARTERY_NATS_URL`` /
+``ARTERY_DATABASE_URL`` when set) and every service as child processes, restarts a service
+that dies, and stops everything in order on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_HOME = ".artery/stack"
+
+
+def _line(name: str, state: str, detail: str = "") -> None:
+    print(f"  {name:<12} {state:<9} {detail}", flush=True)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from artery.stack import SERVICES, Stack
+
+    services = tuple(s for s in args.services.split(",") if s) if args.services else SERVICES
+    stack = Stack(
+        home=Path(args.home),
+        nats_url=os.environ.get("ARTERY_NATS_URL") or None,
+        database_url=os.environ.get("ARTERY_DATABASE_URL") or None,
+        services=services,
+    )
+    stopping = False
+
+    def request_stop(*_):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)
+    print(f"artery up — home {stack.home}", flush=True)
+    try:
+        stack.start_infrastructure()
+        _line("nats", "ready", f"{stack.nats_url}{' (embedded)' if stack.nats else ''}")
+        _line("postgres", "ready", f"{stack.database_url}{' (embedded)' if stack.postgres else ''}")
+        for name in services:
+            process = stack.start_service(name)
+            _line(name, "started", f"pid {process.proc.pid}, log {process.log_path}")
+        print("Artery is up. Ctrl-C stops it.", flush=True)
+        while not stopping:
+            time.sleep(0.5)
+            for name, process in stack.processes.items():
+                if not process.running and not stopping:
+                    code = process.proc.returncode
+                    _line(name, "exited", f"code {code}; restarting (see {process.log_path})")
+                    time.sleep(min(2**process.restarts, 30) * 0.5)
+                    process.restarts += 1
+                    process.start()
+                    _line(name, "started", f"pid {process.proc.pid}")
+    finally:
+        print("stopping...", flush=True)
+        for name, process in reversed(list(stack.processes.items())):
+            _line(name, "stopped", f"code {process.stop()}")
+        stack.processes.clear()
+        stack.stop()
+        _line("servers", "stopped")
+    return 0
+
+
+def _connection_urls(home: str) -> tuple[str, str | None]:
+    nats_url = os.environ.get("ARTERY_NATS_URL")
+    database_url = os.environ.get("ARTERY_DATABASE_URL")
+    state = Path(home) / "stack.json"
+    if state.exists() and not nats_url:
+        saved = json.loads(state.read_text())
+        nats_url, database_url = saved["nats_url"], database_url or saved.get("database_url")
+    return nats_url or "nats://127.0.0.1:4222", database_url
+
+
+async def _status(home: str) -> int:
+    import asyncpg
+    import msgspec
+
+    from artery.schemas import ModelRecord
+    from artery.shared import bus, subjects
+    from artery.shared.settings import CommonSettings
+
+    nats_url, database_url = _connection_urls(home)
+    print(f"NATS {nats_url}")
+    nc = await bus.connect(CommonSettings(nats_url=nats_url), name="artery-status", max_reconnect_attempts=0)
+    js = nc.jetstream()
+    print(f"  {'stream':<22} {'messages':>9} {'bytes':>11}   consumers (pending / unacked / redelivered)")
+    for spec in subjects.STREAMS:
+        try:
+            info = await js.stream_info(spec.name)
+        except Exception:
+            print(f"  {spec.name:<22} {'(missing)':>9}")
+            continue
+        consumers = ", ".join(
+            f"{c.name} {c.num_pending}/{c.num_ack_pending}/{c.num_redelivered}"
+            for c in await js.consumers_info(spec.name)
+        )
+        print(f"  {spec.name:<22} {info.state.messages:>9} {info.state.bytes:>11}   {consumers or '-'}")
+    try:
+        kv = await js.key_value(subjects.MODELS_BUCKET)
+        keys = await kv.keys()
+    except Exception:
+        keys = []
+    if keys:
+        print("models")
+        for key in keys:
+            record = msgspec.json.decode((await kv.get(key)).value, type=ModelRecord)
+            print(f"  {key:<30} step {record.step:<6} base {record.base_model or '-'}")
+    await bus.close(nc)
+    if database_url:
+        print(f"PostgreSQL {database_url}")
+        conn = await asyncpg.connect(database_url)
+        for table in ("models", "trajectory_groups", "trajectories"):
+            count = await conn.fetchval(f"SELECT count(*) FROM {table}")  # names are ours, not input
+            print(f"  {table:<22} {count:>9} rows")
+        await conn.close()
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    return asyncio.run(_status(args.home))
+
+
+def cmd_config(_: argparse.Namespace) -> int:
+    from artery.services.collector.settings import PREFIX as COLLECTOR_PREFIX
+    from artery.services.collector.settings import CollectorSettings
+    from artery.shared.settings import CommonSettings, describe
+
+    for title, cls, prefix in (
+        ("every service and the SDK", CommonSettings, "ARTERY_"),
+        ("collector", CollectorSettings, COLLECTOR_PREFIX),
+    ):
+        print(f"# {title}")
+        for variable, default, description in describe(cls, prefix):
+            print(f"{variable:<36} {default:<26} {description}")
+        print()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="artery", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", help="run NATS, PostgreSQL and every service in the foreground")
+    up.add_argument("--home", default=DEFAULT_HOME, help="state directory (default %(default)s)")
+    up.add_argument("--services", help="comma-separated subset of services to run")
+    up.set_defaults(func=cmd_up)
+    status = sub.add_parser("status", help="streams, consumers, lag and row counts")
+    status.add_argument("--home", default=DEFAULT_HOME, help="state directory of `artery up`")
+    status.set_defaults(func=cmd_status)
+    config = sub.add_parser("config", help="print every setting with its default")
+    config.set_defaults(func=cmd_config)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
