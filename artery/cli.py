@@ -49,6 +49,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         for name in services:
             process = stack.start_service(name)
             _line(name, "started", f"pid {process.proc.pid}, log {process.log_path}")
+        for name in services:
+            stack.processes[name].wait_ready()
+            _line(name, "ready")
         print("Artery is up. Ctrl-C stops it.", flush=True)
         while not stopping:
             time.sleep(0.5)

@@ -19,8 +19,6 @@ if TYPE_CHECKING:
 import re
 
 _NAME = re.compile(NAME_PATTERN)
-#: Metric keys that already name their section are not prefixed with the split (as in ART).
-_SECTIONS = ("reward", "loss", "offpolicy", "pipeline", "throughput", "costs", "time", "data")
 
 
 class Model:
@@ -111,7 +109,8 @@ class Model:
         if groups:
             row.update(summarize(groups))
             await self.publish([g for g in groups if len(g)], split=split)
-        row = {k if k.split("/")[0] in _SECTIONS or "/" in k else f"{split}/{k}": v for k, v in row.items()}
+        # Keys that already name a section ("loss/...", "train/...") keep it, as in ART.
+        row = {k if "/" in k else f"{split}/{k}": v for k, v in row.items()}
         row = {k: v for k, v in row.items() if not (isinstance(v, float) and math.isnan(v))}
         step = await self.get_step() if step is None else step
         _append_history(self.directory / "history.jsonl", {"step": step, "recorded_at": time.time(), **row})

@@ -44,7 +44,11 @@ REPLICA_TTL_S = 30.0
 async def connect(settings: CommonSettings, name: str, **options) -> nats.NATS:
     """Connect and keep reconnecting forever: a broker restart must never stop a service."""
 
+    client: list[nats.NATS] = []
+
     async def on_disconnect():
+        if client and client[0].is_closed:  # our own close(), not an outage
+            return
         log.warning("nats disconnected", client=name)
 
     async def on_reconnect():
@@ -53,17 +57,18 @@ async def connect(settings: CommonSettings, name: str, **options) -> nats.NATS:
     async def on_error(exc):
         log.warning("nats error", client=name, error=str(exc))
 
-    return await nats.connect(
+    options = {"max_reconnect_attempts": -1, "reconnect_time_wait": 0.5, **options}
+    nc = await nats.connect(
         servers=[u.strip() for u in settings.nats_url.split(",") if u.strip()],
         name=name,
         user_credentials=settings.nats_creds,
-        max_reconnect_attempts=-1,
-        reconnect_time_wait=0.5,
         disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnect,
         error_cb=on_error,
         **options,
     )
+    client.append(nc)
+    return nc
 
 
 def stream_config(spec: subjects.StreamSpec, settings: CommonSettings) -> StreamConfig:

@@ -1,0 +1,83 @@
+"""``artery up`` / ``artery status`` / ``artery config`` as a user runs them."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ARTERY = [sys.executable, "-m", "artery.cli"]
+
+
+def read_until(proc: subprocess.Popen, pattern: str, timeout: float = 60.0) -> str:
+    seen = ""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            break
+        seen += line
+        if re.search(pattern, line):
+            return seen
+    raise AssertionError(f"{pattern!r} not printed; output so far:\n{seen}")
+
+
+def test_up_status_restart_and_clean_shutdown(tmp_path: Path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ARTERY_")}
+    home = tmp_path / "home"
+    up = subprocess.Popen(
+        [*ARTERY, "up", "--home", str(home)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    try:
+        output = read_until(up, r"Artery is up")
+        assert re.search(r"nats\s+ready\s+nats://127\.0\.0\.1:\d+ \(embedded\)", output)
+        assert re.search(r"collector\s+started\s+pid (\d+)", output)
+
+        status = subprocess.run(
+            [*ARTERY, "status", "--home", str(home)], capture_output=True, text=True, env=env, timeout=60
+        )
+        assert status.returncode == 0, status.stderr
+        assert re.search(r"ARTERY_TRAJECTORIES\s+0\s+\d+\s+collector 0/0/0", status.stdout)
+        assert re.search(r"trajectory_groups\s+0 rows", status.stdout)
+
+        # A crashed service is restarted.
+        pid = int(re.search(r"collector\s+started\s+pid (\d+)", output).group(1))
+        os.kill(pid, signal.SIGKILL)
+        read_until(up, r"collector\s+exited\s+code -9; restarting")
+        read_until(up, r"collector\s+started\s+pid \d+")
+
+        up.send_signal(signal.SIGINT)
+        rest = up.communicate(timeout=60)[0]
+        assert up.returncode == 0
+        assert re.search(r"collector\s+stopped\s+code 0", rest)
+        assert "servers      stopped" in rest
+    finally:
+        if up.poll() is None:
+            up.kill()
+
+
+def test_config_lists_every_setting_with_its_description():
+    out = subprocess.run([*ARTERY, "config"], capture_output=True, text=True, check=True).stdout
+    assert re.search(r"ARTERY_NATS_URL\s+'nats://127\.0\.0\.1:4222'\s+NATS server URL", out)
+    assert re.search(r"ARTERY_COLLECTOR_BATCH_SIZE\s+500\s+messages fetched", out)
+
+
+def test_invalid_settings_stop_a_service_at_start_with_a_clear_error(tmp_path):
+    env = {**os.environ, "ARTERY_COLLECTOR_BATCH_SIZE": "lots", "ARTERY_DATABASE_URL": "postgresql://x"}
+    result = subprocess.run(
+        [sys.executable, "-m", "artery.services.collector"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert result.returncode != 0
+    assert "ARTERY_COLLECTOR_" in result.stderr and "batch_size" in result.stderr
