@@ -54,7 +54,11 @@ def choice_to_message(choice: Any) -> Message:
     if logprobs and token_ids is not None and len(token_ids) == len(logprobs):
         top = [
             [
-                TopLogprob(token=t["token"], logprob=float(t["logprob"]), token_id=_token_id(t["token"]))
+                TopLogprob(
+                    token=t["token"],
+                    logprob=float(t["logprob"]),
+                    token_id=t.get("token_id", _token_id(t["token"])),
+                )
                 for t in entry.get("top_logprobs") or []
             ]
             for entry in content

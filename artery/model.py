@@ -54,6 +54,7 @@ class Model:
         self.base_path = base_path
         self.report_metrics = report_metrics
         self._backend: Backend | None = None
+        self._openai_client = None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(project={self.project!r}, name={self.name!r})"
@@ -67,6 +68,42 @@ class Model:
     async def register(self, backend: Backend) -> None:
         await backend.register(self)
         self._backend = backend
+        if self.trainable and self.inference_base_url is None:
+            self.inference_base_url = await backend._inference_url(self)
+            self.inference_api_key = self.inference_api_key or backend.inference_api_key
+            self.inference_model_name = self.inference_model_name or self.name
+
+    def openai_client(self):
+        """An ``openai.AsyncOpenAI`` for this model's inference endpoint (cached, as in ART).
+
+        Its responses carry the sampled ``token_ids`` on each choice; append the choices to a
+        ``Trajectory`` and training uses exactly those tokens.
+        """
+        if self._openai_client is None:
+            import httpx
+            import openai
+
+            if self.inference_base_url is None:
+                raise RuntimeError(f"{self!r} has no inference endpoint: register it with a backend first")
+            self._openai_client = openai.AsyncOpenAI(
+                base_url=self.inference_base_url,
+                api_key=self.inference_api_key or "artery",
+                http_client=httpx.AsyncClient(
+                    timeout=httpx.Timeout(timeout=1200, connect=5.0),
+                    limits=httpx.Limits(max_connections=100_000, max_keepalive_connections=100_000),
+                ),
+            )
+        return self._openai_client
+
+    def litellm_completion_params(self, step: int | None = None) -> dict[str, Any]:
+        """Keyword arguments for ``litellm.acompletion`` against this model (as in ART)."""
+        name = self.get_inference_name(step) if self.trainable else (self.inference_model_name or self.name)
+        return {
+            "model": f"hosted_vllm/{name}",
+            "base_url": self.inference_base_url,
+            "api_key": self.inference_api_key or "artery",
+            "temperature": 1,
+        }
 
     def get_inference_name(self, step: int | None = None) -> str:
         """``name@step``, or the bare name for the latest step."""

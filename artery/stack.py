@@ -28,9 +28,12 @@ READY_MARKER = b'"event": "ready"'
 
 @dataclass
 class ServiceProcess:
+    #: Instance name (``collector``, ``inference-demo-agent``); unique within a stack.
     name: str
     env: dict[str, str]
     log_path: Path
+    #: The service package under ``artery.services`` (defaults to the instance name).
+    service: str = ""
     proc: subprocess.Popen | None = None
     restarts: int = 0
     _log_offset: int = 0
@@ -39,7 +42,7 @@ class ServiceProcess:
         self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", f"artery.services.{self.name}"],
+                [sys.executable, "-m", f"artery.services.{self.service or self.name}"],
                 env=self.env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -138,9 +141,12 @@ class Stack:
             for name in self.services:
                 self.processes[name].wait_ready()
 
-    def start_service(self, name: str) -> ServiceProcess:
+    def start_service(
+        self, name: str, *, service: str | None = None, env: dict[str, str] | None = None
+    ) -> ServiceProcess:
+        """Start (or restart) instance ``name`` of ``service`` with extra environment ``env``."""
         process = self.processes.get(name) or ServiceProcess(
-            name, self.service_env(), self.logs / f"{name}.log"
+            name, {**self.service_env(), **(env or {})}, self.logs / f"{name}.log", service=service or name
         )
         process.start()
         self.processes[name] = process

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import uuid
 
 import asyncpg
@@ -17,6 +18,9 @@ from artery.shared.db import init_connection, migrate
 from artery.shared.embedded import NatsServer, PostgresServer
 from artery.shared.settings import CommonSettings
 from artery.stack import Stack
+
+# litellm would fetch its price map from the internet at import time.
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
 
 @pytest.fixture(scope="session")

@@ -27,7 +27,7 @@ async def rollout(i: int) -> art.Trajectory:
 
 
 async def test_local_backend_starts_the_stack_and_stores_published_groups(tmp_path):
-    backend = art.LocalBackend(path=tmp_path / "artery")
+    backend = art.LocalBackend(path=tmp_path / "artery", start_inference=False)
     model = art.TrainableModel(name="agent", project="sdk", base_model="tiny")
     try:
         await model.register(backend)
@@ -90,3 +90,40 @@ async def test_unregistered_model_says_what_to_do():
         assert "register" in str(exc)
     else:
         raise AssertionError("publishing without a backend must fail")
+
+
+async def test_local_backend_serves_the_model_and_choices_keep_their_tokens(tmp_path, monkeypatch):
+    import litellm
+
+    from artery.shared.models import TINY
+
+    backend = art.LocalBackend(path=tmp_path / "artery")
+    model = art.TrainableModel(name="agent", project="sdk", base_model=TINY)
+    try:
+        await model.register(backend)
+        client = model.openai_client()
+        assert model.openai_client() is client  # cached, as in ART
+        response = await client.chat.completions.create(
+            model=model.get_inference_name(),
+            messages=[{"role": "user", "content": "hello"}],
+            max_tokens=6,
+            logprobs=True,
+            top_logprobs=2,
+        )
+        choice = response.choices[0]
+        trajectory = art.Trajectory(
+            messages_and_choices=[{"role": "user", "content": "hello"}, choice], reward=1
+        )
+        sample = trajectory.to_wire().messages[1].sample
+        assert sample.token_ids == choice.model_extra["token_ids"]
+        assert sample.logprobs == [entry.logprob for entry in choice.logprobs.content]
+        assert sample.top_logprobs[0][0].token_id is not None
+
+        params = model.litellm_completion_params()
+        assert params["model"] == "hosted_vllm/agent" and params["temperature"] == 1
+        reply = await litellm.acompletion(
+            **params, messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        )
+        assert reply.choices[0].message.content is not None
+    finally:
+        await backend.close()

@@ -1,0 +1,3 @@
+from artery.services.inference.main import main
+
+main()

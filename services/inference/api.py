@@ -1,0 +1,216 @@
+"""The OpenAI-compatible HTTP API of the inference service, over any ``Engine``.
+
+``POST /v1/chat/completions`` (plain or streamed), ``GET /v1/models``, ``GET /health``. Bodies are
+decoded and encoded with msgspec; every error has OpenAI's shape, ``{"error": {message, type, param,
+code}}``, with the status OpenAI would use (400, 401, 404) plus 503 ``engine_paused`` when the pause
+gate gave up waiting, and 500 ``engine_error`` when the engine failed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import time
+import uuid
+from collections.abc import Iterator
+
+import msgspec
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from artery.services.inference.chat import (
+    TokenPieces,
+    build_choice,
+    decode_request,
+    render_prompt,
+    sampling_params,
+)
+from artery.services.inference.engine.base import EngineError, GenerationRequest, UnknownAdapter
+from artery.services.inference.openai_types import (
+    ApiError,
+    ChatCompletion,
+    ChatCompletionRequest,
+    ModelCard,
+    ModelList,
+    Usage,
+    check_request,
+)
+from artery.services.inference.serving import EnginePaused, ModelNotFound, Resolved, ServingState
+from artery.services.inference.streaming import EngineStream, sse_events
+from artery.shared.logs import get_logger
+
+log = get_logger(__name__)
+
+
+def create_app(state: ServingState) -> FastAPI:
+    app = FastAPI(title="Artery inference", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.serving = state
+    started = int(time.time())
+    pieces_of: dict[int, TokenPieces] = {}
+
+    def pieces(tokenizer: object) -> TokenPieces:
+        # Built on first use: an engine has its tokenizer only once started.
+        found = pieces_of.get(id(tokenizer))
+        if found is None:
+            pieces_of.clear()
+            found = pieces_of[id(tokenizer)] = TokenPieces(tokenizer)
+        return found
+
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected_error)
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_authorize)])
+
+    @app.get("/health")
+    async def health() -> Response:
+        status = "paused" if state.is_paused() else "ok"
+        return _json({"status": status, "adapters": state.engine.adapters()})
+
+    @v1.get("/models")
+    async def models() -> Response:
+        cards = [
+            ModelCard(id=name, created=started, max_model_len=state.engine.max_context)
+            for name in state.served()
+        ]
+        return _json(ModelList(data=cards))
+
+    @v1.post("/chat/completions")
+    async def chat_completions(http: Request) -> Response:
+        request = decode_request(await http.body())
+        check_request(request)
+        with _translate_errors():
+            state.resolve(request.model)  # an unknown name fails now, not after waiting out a pause
+        engine = state.engine
+        prompt = render_prompt(engine.tokenizer, request)
+        params = sampling_params(request, len(prompt), engine.max_context, state.default_max_tokens)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+
+        def prepare() -> tuple[Resolved, GenerationRequest]:
+            # Resolved once admitted: a request held by a pause gets the adapter loaded during it.
+            resolved = state.resolve(request.model)
+            generation = GenerationRequest(
+                prompt_token_ids=prompt, params=params, adapter=resolved.adapter, request_id=request_id
+            )
+            return resolved, generation
+
+        if request.stream:
+            stream = EngineStream(engine, state.admit, prepare)
+            with _translate_errors():
+                resolved = await stream.start()
+            events = sse_events(
+                stream,
+                request,
+                request_id=request_id,
+                model=resolved.served_name,
+                prompt_token_ids=prompt,
+                tokenizer=engine.tokenizer,
+                pieces=pieces(engine.tokenizer),
+            )
+            return StreamingResponse(
+                events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+            )
+
+        with _translate_errors():
+            async with state.admit():
+                resolved, generation = prepare()
+                completions = await engine.generate(generation)
+        return _json(
+            _completion(request, request_id, resolved, prompt, completions, pieces(engine.tokenizer))
+        )
+
+    app.include_router(v1)
+    return app
+
+
+def _completion(
+    request: ChatCompletionRequest,
+    request_id: str,
+    resolved: Resolved,
+    prompt: list[int],
+    completions: list,
+    pieces: TokenPieces,
+) -> ChatCompletion:
+    choices = [build_choice(c, request, pieces) for c in sorted(completions, key=lambda c: c.index)]
+    generated = sum(len(choice.token_ids) for choice in choices)
+    return ChatCompletion(
+        id=request_id,
+        created=int(time.time()),
+        model=resolved.served_name,
+        choices=choices,
+        usage=Usage(
+            prompt_tokens=len(prompt), completion_tokens=generated, total_tokens=len(prompt) + generated
+        ),
+        prompt_token_ids=prompt,
+    )
+
+
+@contextlib.contextmanager
+def _translate_errors() -> Iterator[None]:
+    """The serving layer's and the engine's exceptions as OpenAI errors."""
+    try:
+        yield
+    except ApiError:
+        raise
+    except ModelNotFound as exc:
+        raise ApiError(404, str(exc), param="model", code="model_not_found") from None
+    except UnknownAdapter as exc:  # unloaded between resolving the name and generating
+        raise ApiError(
+            404, f"The model's adapter is not loaded: {exc}", param="model", code="model_not_found"
+        ) from None
+    except EnginePaused as exc:
+        retry_after = exc.retry_after
+        raise ApiError(
+            503,
+            str(exc) or "Inference is paused for training and stayed paused past the wait limit",
+            type="server_error",
+            code="engine_paused",
+            headers={"Retry-After": str(max(1, round(retry_after)))} if retry_after else None,
+        ) from None
+    except EngineError as exc:
+        log.error("engine error", error=repr(exc))
+        raise ApiError(500, f"The engine failed: {exc}", type="server_error", code="engine_error") from None
+    except Exception as exc:
+        log.exception("engine failure")
+        raise ApiError(
+            500, f"The engine failed: {type(exc).__name__}: {exc}", type="server_error", code="engine_error"
+        ) from None
+
+
+def _authorize(http: Request) -> None:
+    key = http.app.state.serving.api_key
+    if not key:
+        return
+    scheme, _, given = http.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not given:
+        raise ApiError(
+            401, "You didn't provide an API key: send `Authorization: Bearer <key>`.", code="invalid_api_key"
+        )
+    if not secrets.compare_digest(given.strip().encode(), key.encode()):
+        raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
+
+
+def _json(payload: object, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(msgspec.json.encode(payload), status, headers, media_type="application/json")
+
+
+async def _api_error(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    headers = dict(exc.headers)
+    if exc.status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    return _json(exc.body, exc.status, headers)
+
+
+async def _http_error(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, StarletteHTTPException)
+    kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    error = ApiError(exc.status_code, str(exc.detail), type=kind)
+    return _json(error.body, exc.status_code, dict(exc.headers or {}))
+
+
+async def _unexpected_error(_: Request, exc: Exception) -> Response:
+    log.error("unhandled error", error=repr(exc))
+    error = ApiError(500, f"Internal error: {type(exc).__name__}: {exc}", type="server_error")
+    return _json(error.body, 500)

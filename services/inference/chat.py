@@ -1,0 +1,257 @@
+"""From a chat request to engine input, and from engine output to OpenAI's response shapes.
+
+The prompt is rendered once, with the engine's own tokenizer and chat template, and its ids are
+returned to the client (``prompt_token_ids``) beside the sampled ids, so that training never has to
+re-tokenise text that may not round-trip.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import msgspec
+
+from artery.services.inference.engine.base import Completion, SamplingParams
+from artery.services.inference.openai_types import (
+    ChatCompletionRequest,
+    ChatMessage,
+    Choice,
+    ChoiceLogprobs,
+    LogprobEntry,
+    ResponseMessage,
+    TopLogprob,
+    invalid_request,
+)
+from artery.services.inference.tools import parse_tool_calls
+
+#: OpenAI's stand-in for a logprob of minus infinity (JSON has no infinities).
+MIN_LOGPROB = -9999.0
+
+
+def decode_request(body: bytes) -> ChatCompletionRequest:
+    """Decode a request body; any problem becomes a 400 naming the JSON path at fault."""
+    try:
+        return msgspec.json.decode(body, type=ChatCompletionRequest)
+    except msgspec.ValidationError as exc:
+        message = str(exc)
+        path = re.search(r" - at `\$\.?(.*)`$", message)
+        raise invalid_request(message, (path.group(1) or None) if path else None) from None
+    except msgspec.DecodeError as exc:
+        raise invalid_request(f"The request body is not valid JSON: {exc}") from None
+
+
+# --------------------------------------------------------------------------- the prompt
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as chat templates expect them: text content, tool-call arguments as objects."""
+    rendered = []
+    for i, message in enumerate(messages):
+        item: dict[str, Any] = {"role": message.role, "content": _text(message, i)}
+        for key in ("name", "tool_call_id", "reasoning_content"):
+            if getattr(message, key) is not None:
+                item[key] = getattr(message, key)
+        if message.tool_calls:
+            item["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {
+                        "name": call.function.name,
+                        "arguments": _arguments(call.function.arguments),
+                    },
+                }
+                for call in message.tool_calls
+            ]
+        rendered.append(item)
+    return rendered
+
+
+def _text(message: ChatMessage, index: int) -> str:
+    if message.content is None:
+        return ""
+    if isinstance(message.content, str):
+        return message.content
+    parts = []
+    for part in message.content:
+        if part.type != "text" or part.text is None:
+            raise invalid_request(f"only text content is supported, not {part.type!r}", f"messages[{index}]")
+        parts.append(part.text)
+    return "".join(parts)
+
+
+def _arguments(arguments: str | dict[str, Any]) -> Any:
+    # Templates (Qwen's, Llama's) write `arguments | tojson`: a JSON string would come out quoted.
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        parsed = json.loads(arguments)
+    except ValueError:
+        return arguments
+    return parsed if isinstance(parsed, dict) else arguments
+
+
+def render_prompt(tokenizer: Any, request: ChatCompletionRequest) -> list[int]:
+    tools = None
+    if request.tools:
+        tools = [msgspec.to_builtins(tool) for tool in request.tools]
+        for tool in tools:  # no `"description": null` for templates to print
+            tool["function"] = {k: v for k, v in tool["function"].items() if v is not None}
+    kwargs = {**(request.chat_template_kwargs or {}), "add_generation_prompt": True, "tokenize": True}
+    try:
+        rendered = tokenizer.apply_chat_template(template_messages(request.messages), tools=tools, **kwargs)
+    except Exception as exc:  # a template that raises (roles must alternate...) rejects this request
+        raise invalid_request(f"could not apply the chat template: {exc}", "messages") from None
+    return _token_ids(rendered)
+
+
+def _token_ids(rendered: Any) -> list[int]:
+    # transformers returns a BatchEncoding (v5 default), a list of ids, or a batch of one.
+    if isinstance(rendered, Mapping):
+        rendered = rendered["input_ids"]
+    if hasattr(rendered, "tolist"):
+        rendered = rendered.tolist()
+    if rendered and isinstance(rendered[0], Sequence):
+        rendered = rendered[0]
+    return [int(token) for token in rendered]
+
+
+def sampling_params(
+    request: ChatCompletionRequest, prompt_tokens: int, max_context: int, default_max_tokens: int
+) -> SamplingParams:
+    """The engine's parameters; a prompt that leaves no room for the completion is a 400."""
+    room = max_context - prompt_tokens
+    limit = request.completion_limit
+    if limit is None:
+        if room < 1:
+            raise _too_long(
+                f"This model's maximum context length is {max_context} tokens, and your messages "
+                f"take {prompt_tokens} tokens, which leaves no room for a completion. "
+                "Please reduce the length of the messages."
+            )
+        limit = min(room, default_max_tokens)
+    elif limit > room:
+        raise _too_long(
+            f"This model's maximum context length is {max_context} tokens. However, you requested "
+            f"{prompt_tokens + limit} tokens ({prompt_tokens} in the messages, {limit} in the "
+            "completion). Please reduce the length of the messages or completion."
+        )
+    return SamplingParams(
+        max_tokens=limit,
+        temperature=1.0 if request.temperature is None else request.temperature,
+        top_p=1.0 if request.top_p is None else request.top_p,
+        n=request.n or 1,
+        stop=request.stop_strings,
+        seed=request.seed,
+        logprobs=bool(request.logprobs),
+        top_logprobs=(request.top_logprobs or 0) if request.logprobs else 0,
+    )
+
+
+def _too_long(message: str):
+    return invalid_request(message, "messages", "context_length_exceeded")
+
+
+# --------------------------------------------------------------------------- tokens as text
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: each byte as a printable character (used by Qwen, Llama 3...)."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    chars = list(printable)
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + extra)
+            extra += 1
+    return dict(zip(printable, map(chr, chars), strict=True))
+
+
+_BYTE_OF_CHAR = {char: byte for byte, char in _bytes_to_unicode().items()}
+_HEX_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+class TokenPieces:
+    """Each token id's own text and exact bytes, for logprob entries (``token``, ``bytes``).
+
+    A token may hold part of a UTF-8 character; its ``bytes`` are then exact and its ``token`` text
+    shows the replacement character, as OpenAI's do.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+        try:
+            space = tokenizer.convert_ids_to_tokens(tokenizer.encode(" ", add_special_tokens=False))
+        except Exception:
+            space = None
+        self._byte_level = space == ["Ġ"]
+
+    def piece(self, token_id: int) -> tuple[str, list[int]]:
+        found = self._cache.get(token_id)
+        if found is None:
+            raw = self._raw(token_id)
+            found = self._cache[token_id] = (raw.decode("utf-8", errors="replace"), list(raw))
+        return found
+
+    def _raw(self, token_id: int) -> bytes:
+        token = self._tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(token, str):
+            if self._byte_level and all(char in _BYTE_OF_CHAR for char in token):
+                return bytes(_BYTE_OF_CHAR[char] for char in token)
+            if match := _HEX_BYTE.fullmatch(token):  # SentencePiece byte fallback
+                return bytes([int(match.group(1), 16)])
+        return self._tokenizer.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
+    def entries(
+        self, token_ids: list[int], logprobs: list[float], top: list[list[tuple[int, float]]]
+    ) -> list[LogprobEntry]:
+        return [
+            self.entry(token_id, logprob, top[i] if i < len(top) else [])
+            for i, (token_id, logprob) in enumerate(zip(token_ids, logprobs, strict=False))
+        ]
+
+    def entry(self, token_id: int, logprob: float, top: list[tuple[int, float]]) -> LogprobEntry:
+        text, raw = self.piece(token_id)
+        alternatives = []
+        for alt_id, alt_logprob in top:
+            alt_text, alt_raw = self.piece(alt_id)
+            alternatives.append(
+                TopLogprob(token=alt_text, logprob=_finite(alt_logprob), bytes=alt_raw, token_id=alt_id)
+            )
+        return LogprobEntry(
+            token=text, logprob=_finite(logprob), bytes=raw, top_logprobs=alternatives, token_id=token_id
+        )
+
+
+def _finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else MIN_LOGPROB
+
+
+# --------------------------------------------------------------------------- the answer
+
+
+def build_choice(completion: Completion, request: ChatCompletionRequest, pieces: TokenPieces) -> Choice:
+    content, calls = parse_tool_calls(completion.text, request.effective_tool_choice)
+    logprobs = None
+    if request.logprobs:
+        logprobs = ChoiceLogprobs(
+            content=pieces.entries(completion.token_ids, completion.logprobs, completion.top_logprobs)
+        )
+    finish = "tool_calls" if calls and completion.finish_reason == "stop" else completion.finish_reason
+    return Choice(
+        index=completion.index,
+        message=ResponseMessage(role="assistant", content=content, refusal=None, tool_calls=calls or None),
+        logprobs=logprobs,
+        finish_reason=finish,
+        token_ids=list(completion.token_ids),
+    )

@@ -1,0 +1,155 @@
+"""Load each published adapter into the engine, newest first for a replica that starts late.
+
+The watcher reads ``checkpoint.published`` for its project/model through an ephemeral ordered
+JetStream consumer that starts at the last message of the subject: a fresh replica loads the
+newest adapter at once (not every step ever trained), then follows live. Ordered consumers
+need no acks and re-create themselves after a gap, which suits a read-only follower.
+
+For each event: fetch the archive from the Object Store, verify the announced sha256 (a
+mismatch is logged and skipped, nothing is loaded), unpack it into the local cache, load it as
+``<model>@<step>`` and tell the serving state through ``on_loaded(step, served_name)``. The
+callback sees every load in order and decides what the bare ``<model>`` name points at (the
+highest step, normally; an old step republished to be "served again" arrives later but lower).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import DeliverPolicy
+
+from artery.schemas import CheckpointPublished
+from artery.services.inference.engine.base import Engine
+from artery.shared import subjects
+from artery.shared.adapters import AdapterError, AdapterNotFound, get_adapter, unpack_adapter
+from artery.shared.bus import CONTENT_TYPE
+from artery.shared.codec import EventDecoder
+from artery.shared.errors import InvalidMessage
+from artery.shared.logs import get_logger
+
+log = get_logger(__name__)
+
+OnLoaded = Callable[[int, str], Awaitable[None] | None]
+_decoder = EventDecoder(CheckpointPublished)
+
+
+def served_name(model: str, step: int) -> str:
+    return f"{model}@{step}"
+
+
+class CheckpointWatcher:
+    def __init__(
+        self,
+        js: JetStreamContext,
+        project: str,
+        model: str,
+        engine: Engine,
+        on_loaded: OnLoaded,
+        *,
+        cache_dir: str | Path,
+        fetch_attempts: int = 3,
+        retry_delay_s: float = 1.0,
+    ):
+        self.js = js
+        self.project = project
+        self.model = model
+        self.engine = engine
+        self.on_loaded = on_loaded
+        self.cache_dir = Path(cache_dir) / project / model
+        self.fetch_attempts = fetch_attempts
+        self.retry_delay_s = retry_delay_s
+        #: served name -> sha256 of what is loaded under it (a redelivery is not loaded twice).
+        self.loaded: dict[str, str] = {}
+        self._queue: asyncio.Queue[Msg] = asyncio.Queue()
+        self._sub = None
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        # The subscription callback only enqueues: loading takes seconds, and a slow callback
+        # would hold up the client's flow-control replies for this consumer.
+        self._sub = await self.js.subscribe(
+            subjects.checkpoint("published", self.project, self.model),
+            cb=self._queue.put,
+            ordered_consumer=True,
+            deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
+        )
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+            self._sub = None
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _run(self) -> None:
+        while True:
+            msg = await self._queue.get()
+            try:
+                await self.handle(msg.data, (msg.headers or {}).get(CONTENT_TYPE))
+            except Exception:  # one bad checkpoint must not stop the replica following the next
+                log.exception("checkpoint handling failed", subject=msg.subject)
+
+    async def handle(self, data: bytes, content_type: str | None = None) -> str | None:
+        """Process one ``checkpoint.published``; the served name when it was loaded, else None."""
+        try:
+            event = _decoder.decode(data, content_type)
+        except InvalidMessage as exc:
+            log.error("unreadable checkpoint.published; skipped", error=str(exc))
+            return None
+        if event.step is None:
+            log.error("checkpoint.published without a step; skipped", object_name=event.object_name)
+            return None
+        name = served_name(self.model, event.step)
+        if event.served_name != name:
+            log.warning(
+                "served_name differs from <model>@<step>; using the latter", announced=event.served_name
+            )
+        if self.loaded.get(name) == event.sha256:
+            return name  # the same adapter again (a redelivery after a reconnect)
+        archive = await self._fetch(event.object_name)
+        if archive is None:
+            return None
+        try:
+            path = await asyncio.to_thread(
+                unpack_adapter, archive, self.cache_dir / f"step-{event.step}", event.sha256
+            )
+        except AdapterError as exc:
+            log.error("adapter refused; not loaded", served_name=name, error=str(exc))
+            return None
+        if name in self.loaded:  # a step re-published with other bytes: replace what is served
+            with contextlib.suppress(Exception):
+                await self.engine.unload_adapter(name)
+        await self.engine.load_adapter(name, path)
+        self.loaded[name] = event.sha256
+        log.info("adapter loaded", served_name=name, sha256=event.sha256)
+        result = self.on_loaded(event.step, name)
+        if inspect.isawaitable(result):
+            await result
+        return name
+
+    async def _fetch(self, object_name: str) -> bytes | None:
+        for attempt in range(1, self.fetch_attempts + 1):
+            try:
+                return await get_adapter(self.js, object_name)
+            except AdapterNotFound as exc:  # retention removed it, or it never arrived
+                log.error("adapter not in the object store; skipped", error=str(exc))
+                return None
+            except AdapterError as exc:
+                log.error("adapter refused; skipped", error=str(exc))
+                return None
+            except Exception as exc:  # a NATS hiccup: try again shortly
+                log.warning("adapter fetch failed", object_name=object_name, attempt=attempt, error=repr(exc))
+                if attempt < self.fetch_attempts:
+                    await asyncio.sleep(self.retry_delay_s * attempt)
+        return None

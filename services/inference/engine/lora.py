@@ -1,0 +1,102 @@
+"""Several named LoRA adapters on one base model, through one ``PeftModel``.
+
+Only safetensors adapters are accepted: a pickle (``adapter_model.bin``, ``*.pt``...) runs code
+when it is loaded, and adapters arrive from other machines. Everything here is synchronous and
+must run on the engine's model thread, never while a batch is decoding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from artery.services.inference.engine.base import EngineError, UnknownAdapter
+
+PICKLE_SUFFIXES = frozenset({".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt"})
+
+
+def check_adapter_dir(path: Path) -> None:
+    """Refuse anything but a directory holding ``adapter_config.json`` and safetensors weights."""
+    if not path.is_dir():
+        raise EngineError(f"adapter directory {path} does not exist")
+    pickles = sorted(p.name for p in path.iterdir() if p.suffix.lower() in PICKLE_SUFFIXES)
+    if pickles:
+        raise EngineError(
+            f"adapter {path} holds pickle files {pickles}: only safetensors adapters are loaded"
+        )
+    for required in ("adapter_config.json", "adapter_model.safetensors"):
+        if not (path / required).is_file():
+            raise EngineError(f"adapter {path} has no {required}")
+
+
+class LoraSet:
+    """The model to run, with its named adapters; ``model`` is the base model until one is loaded.
+
+    PEFT keeps adapters in ``ModuleDict``s, whose keys cannot hold a ``.``; served names such as
+    ``qwen2.5@3`` are therefore mapped to internal names.
+    """
+
+    def __init__(self, base_model: Any) -> None:
+        self.model: Any = base_model
+        self._internal: dict[str, str] = {}
+        self._ids = itertools.count()
+
+    def names(self) -> list[str]:
+        return list(self._internal)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._internal
+
+    def load(self, name: str, path: Path) -> None:
+        """Load (or replace) adapter ``name`` from ``path``."""
+        from peft import PeftModel
+
+        check_adapter_dir(path)
+        if name in self._internal:
+            self.unload(name)
+        internal = f"adapter_{next(self._ids)}"
+        try:
+            if isinstance(self.model, PeftModel):
+                self.model.load_adapter(str(path), adapter_name=internal, is_trainable=False)
+            else:
+                self.model = PeftModel.from_pretrained(
+                    self.model, str(path), adapter_name=internal, is_trainable=False
+                )
+        except Exception as exc:
+            if isinstance(self.model, PeftModel) and internal in self.model.peft_config:
+                with contextlib.suppress(Exception):
+                    self._delete(internal)
+            raise EngineError(f"cannot load adapter {name!r} from {path}: {exc}") from exc
+        self.model.eval()
+        self._internal[name] = internal
+
+    def unload(self, name: str) -> None:
+        internal = self._internal.pop(name, None)
+        if internal is None:
+            raise UnknownAdapter(name)
+        self._delete(internal)
+
+    def _delete(self, internal: str) -> None:
+        if len(self.model.peft_config) > 1:
+            self.model.delete_adapter(internal)
+        else:  # the last one: take the LoRA layers out and serve the plain base model again
+            self.model = self.model.unload()
+
+    @contextlib.contextmanager
+    def active(self, name: str | None) -> Iterator[Any]:
+        """The model with adapter ``name`` active, or with every adapter off when ``name`` is None."""
+        if name is None:
+            if hasattr(self.model, "disable_adapter"):
+                with self.model.disable_adapter():
+                    yield self.model
+            else:
+                yield self.model
+            return
+        internal = self._internal.get(name)
+        if internal is None:
+            raise UnknownAdapter(name)
+        self.model.set_adapter(internal, inference_mode=True)
+        yield self.model

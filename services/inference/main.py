@@ -1,0 +1,121 @@
+"""Entry point: ``python -m artery.services.inference``.
+
+Wires one replica together: the engine, the HTTP API (uvicorn), the pause gate with its control
+subscription, the replica registry heartbeat and the checkpoint watcher.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from pathlib import Path
+
+import uvicorn
+
+from artery.services.inference.api import create_app
+from artery.services.inference.checkpoints import CheckpointWatcher
+from artery.services.inference.control import ControlServer, ReplicaRegistry
+from artery.services.inference.pause import PauseGate
+from artery.services.inference.serving import ServingState
+from artery.services.inference.settings import PREFIX, InferenceSettings
+from artery.shared import bus
+from artery.shared.logs import get_logger
+from artery.shared.models import resolve_base_model
+from artery.shared.runtime import connect_service, run_service
+from artery.shared.settings import CommonSettings, load
+
+log = get_logger(__name__)
+
+
+def make_engine(settings: InferenceSettings):
+    model_path = resolve_base_model(settings.base_model)
+    if settings.engine == "vllm":
+        from artery.services.inference.engine.vllm_engine import VLLMEngine  # GPU extra only
+
+        return VLLMEngine(model_path)
+    from artery.services.inference.engine.transformers_engine import TransformersEngine
+
+    return TransformersEngine(model_path, device=settings.device, max_batch_size=settings.max_batch_size)
+
+
+async def serve_http(app, host: str, port: int) -> tuple[uvicorn.Server, asyncio.Task, int]:
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
+    server.install_signal_handlers = lambda: None  # our runtime owns SIGTERM/SIGINT
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():
+            task.result()  # raises the reason it could not start (port taken, ...)
+        await asyncio.sleep(0.02)
+    bound_port = server.servers[0].sockets[0].getsockname()[1]
+    return server, task, bound_port
+
+
+async def start(common: CommonSettings, stop: asyncio.Event) -> None:
+    settings = load(InferenceSettings, PREFIX)
+    engine = make_engine(settings)
+    await engine.start()
+    gate = PauseGate(max_wait_s=settings.max_pause_wait_s, on_pause=engine.sleep, on_resume=engine.wake)
+    state = ServingState(
+        engine,
+        settings.model,
+        admit=gate.admit,
+        is_paused=lambda: gate.paused,
+        api_key=settings.api_key,
+        default_max_tokens=settings.default_max_tokens,
+    )
+    server, server_task, port = await serve_http(create_app(state), settings.host, settings.port)
+    url = settings.public_url or f"http://{settings.host}:{port}"
+
+    nc = await connect_service("inference", common)
+    js = nc.jetstream()
+    cache_dir = Path(settings.adapter_cache_dir or tempfile.mkdtemp(prefix="artery-adapters-"))
+    watcher = CheckpointWatcher(
+        js,
+        settings.project,
+        settings.model,
+        engine,
+        on_loaded=lambda step, name: log.info("serving adapter", step=step, name=name),
+        cache_dir=cache_dir,
+    )
+    registry = ReplicaRegistry(
+        js,
+        gate,
+        replica_id=settings.replica_id,
+        project=settings.project,
+        model=settings.model,
+        engine=engine.kind,
+        url=url,
+        served=lambda: list(state.served()),
+        heartbeat_s=settings.heartbeat_s,
+    )
+    control = ControlServer(
+        nc,
+        gate,
+        replica_id=settings.replica_id,
+        project=settings.project,
+        model=settings.model,
+        drain_timeout_s=settings.drain_timeout_s,
+        on_change=registry.beat,
+    )
+    await watcher.start()
+    await control.start()
+    await registry.start()
+    log.info("ready", url=url, replica_id=settings.replica_id, engine=engine.kind)
+
+    await stop.wait()
+    await registry.stop()  # leave the registry first: trainers stop waiting for us
+    await control.stop()
+    await watcher.stop()
+    await gate.close()
+    server.should_exit = True
+    await server_task
+    await engine.close()
+    await bus.close(nc)
+
+
+def main() -> None:
+    run_service("inference", start)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""Inference replica settings, read from ``ARTERY_INFERENCE_*`` (plus the common ``ARTERY_*``)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from typing import Annotated, Literal
+
+import msgspec
+
+from artery.schemas.base import NAME_PATTERN
+from artery.shared.settings import doc
+
+PREFIX = "ARTERY_INFERENCE_"
+
+
+def default_replica_id() -> str:
+    host = "".join(c if c.isalnum() or c in "-_" else "-" for c in socket.gethostname())[:32]
+    return f"{host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+class InferenceSettings(msgspec.Struct, kw_only=True, frozen=True):
+    project: Annotated[str, doc("project whose model this replica serves", pattern=NAME_PATTERN)]
+    model: Annotated[str, doc("model name served as <model> and <model>@<step>", pattern=NAME_PATTERN)]
+    base_model: Annotated[str, doc("base weights: a directory, artery/tiny-random, or a cached hub name")]
+    engine: Annotated[Literal["transformers", "vllm"], doc("inference engine")] = "transformers"
+    device: Annotated[str, doc("transformers engine device: cpu, cuda, cuda:1")] = "cpu"
+    host: Annotated[str, doc("address the HTTP API listens on")] = "127.0.0.1"
+    port: Annotated[int, doc("HTTP port; 0 picks a free one", ge=0, le=65535)] = 0
+    public_url: Annotated[str | None, doc("URL clients reach this replica at (default http://host:port)")] = (
+        None
+    )
+    api_key: Annotated[str | None, doc("require `Authorization: Bearer <key>` on /v1")] = None
+    max_batch_size: Annotated[int, doc("sequences decoded together (transformers engine)", ge=1)] = 16
+    default_max_tokens: Annotated[int, doc("completion length when a request sets none", ge=1)] = 1024
+    max_pause_wait_s: Annotated[float, doc("how long a request waits while paused before a 503", gt=0)] = (
+        600.0
+    )
+    drain_timeout_s: Annotated[float, doc("time in-flight requests get to finish on pause", gt=0)] = 20.0
+    heartbeat_s: Annotated[
+        float, doc("replica registry heartbeat (entries expire after 30 s)", gt=0, lt=30)
+    ] = 5.0
+    replica_id: Annotated[str, doc("this replica's id in the registry")] = msgspec.field(
+        default_factory=default_replica_id
+    )
+    adapter_cache_dir: Annotated[str | None, doc("where fetched adapters are unpacked")] = None

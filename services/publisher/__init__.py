@@ -1,0 +1,1 @@
+"""The checkpoint publisher: adapters into the Object Store, PostgreSQL and checkpoint.published."""

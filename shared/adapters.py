@@ -1,0 +1,137 @@
+"""LoRA adapters in transit: a deterministic tar of safe files, checked by sha256, in the Object Store.
+
+An adapter crosses machines as bytes that a replica loads into its engine, so the archive may
+hold only data formats: ``adapter_config.json``, ``*.safetensors`` and tokenizer files. Pickle
+based weights (``*.bin``, ``*.pt``...) are refused on both sides — loading them runs code.
+The archive is deterministic (sorted names, zeroed owners and times), so the same adapter
+always has the same sha256 and a re-publish is recognisably the same object.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import shutil
+import tarfile
+import tempfile
+from pathlib import Path, PurePosixPath
+
+from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError, ObjectNotFoundError
+
+from artery.shared import subjects
+from artery.shared.errors import ArteryError
+
+#: Suffixes of formats that unpickle (run code) when loaded: never packed, never unpacked.
+PICKLE_SUFFIXES = frozenset({".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".npy", ".npz"})
+#: Tokenizer and chat-template files that may travel with an adapter (``*.jinja``: the chat
+#: template newer transformers saves beside the tokenizer).
+TOKENIZER_SUFFIXES = frozenset({".json", ".txt", ".model", ".jinja"})
+ALLOWED_NAMES = frozenset({"adapter_config.json", "README.md"})
+#: Largest adapter accepted (LoRA adapters are MBs; a GB-sized archive is a mistake or an attack).
+MAX_ADAPTER_BYTES = 2 * 1024**3
+
+
+class AdapterError(ArteryError):
+    """An adapter archive is unsafe, corrupt or not what was announced."""
+
+
+class AdapterNotFound(AdapterError):
+    pass
+
+
+def check_member_name(name: str) -> None:
+    """Accept only a plain file name (no directory, no ``..``) of an allowed kind."""
+    path = PurePosixPath(name)
+    if path.is_absolute() or len(path.parts) != 1 or name in ("", ".", "..") or "\\" in name:
+        raise AdapterError(f"{name!r}: only plain file names are allowed in an adapter")
+    suffix = path.suffix.lower()
+    if suffix in PICKLE_SUFFIXES:
+        raise AdapterError(f"{name!r}: pickle-based weights are refused; save with safetensors")
+    if name not in ALLOWED_NAMES and suffix != ".safetensors" and suffix not in TOKENIZER_SUFFIXES:
+        raise AdapterError(
+            f"{name!r}: not an adapter file (adapter_config.json, *.safetensors, tokenizer files, README.md)"
+        )
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def pack_adapter(directory: str | os.PathLike) -> bytes:
+    """A tar of the adapter's files; raises ``AdapterError`` on anything but allowed regular files."""
+    root = Path(directory)
+    if not (root / "adapter_config.json").is_file():
+        raise AdapterError(f"{root}: no adapter_config.json (not a PEFT adapter directory)")
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for path in sorted(root.iterdir(), key=lambda p: p.name):
+            if path.is_symlink() or not path.is_file():
+                raise AdapterError(f"{path.name!r}: only regular files are packed (no links, no folders)")
+            check_member_name(path.name)
+            data = path.read_bytes()
+            info = tarfile.TarInfo(path.name)
+            info.size, info.mode, info.mtime = len(data), 0o644, 0
+            info.uid = info.gid = 0
+            info.uname = info.gname = ""
+            tar.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+def unpack_adapter(data: bytes, dest: str | os.PathLike, expected_sha256: str) -> Path:
+    """Verify, check every member, then extract into ``dest`` (replaced as a whole).
+
+    Nothing is written unless the hash matches and every member is allowed; the files land in
+    a temporary sibling first and are renamed into place, so ``dest`` never holds half an
+    adapter.
+    """
+    actual = sha256_hex(data)
+    if actual != expected_sha256:
+        raise AdapterError(f"sha256 mismatch: expected {expected_sha256}, got {actual}")
+    dest = Path(dest)
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
+        members = tar.getmembers()
+        seen: set[str] = set()
+        for member in members:
+            if not member.isreg():
+                raise AdapterError(f"{member.name!r}: only regular files may be unpacked")
+            check_member_name(member.name)
+            if member.name in seen:
+                raise AdapterError(f"{member.name!r}: appears twice in the archive")
+            seen.add(member.name)
+        if "adapter_config.json" not in seen:
+            raise AdapterError("archive has no adapter_config.json")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+        try:
+            # filter="data" is the standard library's own guard (no links, no special files,
+            # no paths outside the target) on top of the checks above.
+            tar.extractall(staging, members=members, filter="data")
+            if dest.exists():
+                shutil.rmtree(dest)
+            staging.rename(dest)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+    return dest
+
+
+async def put_adapter(js: JetStreamContext, object_name: str, data: bytes):
+    """Store the packed adapter under ``object_name``; returns the store's ``ObjectInfo``."""
+    store = await js.object_store(subjects.ADAPTERS_BUCKET)
+    return await store.put(object_name, data)
+
+
+async def get_adapter(js: JetStreamContext, object_name: str) -> bytes:
+    store = await js.object_store(subjects.ADAPTERS_BUCKET)
+    # Streamed into a buffer: nats-py's default ``data += chunk`` is quadratic in the size.
+    buffer = io.BytesIO()
+    try:
+        info = await store.get_info(object_name)
+        if (info.size or 0) > MAX_ADAPTER_BYTES:
+            raise AdapterError(f"adapter {object_name!r} is {info.size} bytes, over the limit")
+        await store.get(object_name, writeinto=buffer)
+    except (ObjectNotFoundError, NotFoundError) as exc:
+        raise AdapterNotFound(f"adapter {object_name!r} is not in {subjects.ADAPTERS_BUCKET}") from exc
+    return buffer.getvalue()

@@ -1,0 +1,239 @@
+"""Adapter archives (pack, verify, unpack safely), the Object Store, and the checkpoint watcher."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import tarfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from artery.schemas import CheckpointPublished
+from artery.schemas.base import new_event_id
+from artery.services.inference.checkpoints import CheckpointWatcher
+from artery.shared import bus, subjects
+from artery.shared.adapters import (
+    AdapterError,
+    AdapterNotFound,
+    get_adapter,
+    pack_adapter,
+    put_adapter,
+    sha256_hex,
+    unpack_adapter,
+)
+from artery.shared.settings import CommonSettings
+
+PROJECT, MODEL = "proj", "agent"
+
+
+@pytest.fixture
+def common_settings(nats_server) -> CommonSettings:
+    return CommonSettings(nats_url=nats_server.url)  # NATS only: no PostgreSQL needed here
+
+
+def make_adapter(directory: Path, seed: int = 0) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}
+    (directory / "adapter_config.json").write_text(json.dumps(config))
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {
+        "base_model.model.layers.0.q_proj.lora_A.weight": torch.randn(4, 16, generator=generator),
+        "base_model.model.layers.0.q_proj.lora_B.weight": torch.zeros(16, 4),
+    }
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    return directory
+
+
+def tar_of(*members: tuple[tarfile.TarInfo, bytes | None]) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for info, data in members:
+            if data is not None:
+                info.size = len(data)
+            tar.addfile(info, io.BytesIO(data) if data is not None else None)
+    return buffer.getvalue()
+
+
+def regular(name: str, data: bytes = b"{}") -> tuple[tarfile.TarInfo, bytes]:
+    return tarfile.TarInfo(name), data
+
+
+# -- packing and unpacking ---------------------------------------------------------------------------
+
+
+def test_pack_unpack_round_trip_is_deterministic(tmp_path):
+    source = make_adapter(tmp_path / "adapter")
+    (source / "tokenizer.json").write_text("{}")
+    (source / "README.md").write_text("# adapter")
+    data = pack_adapter(source)
+    os.utime(source / "adapter_config.json", (1, 1))  # times are not part of the archive
+    assert pack_adapter(source) == data
+    dest = unpack_adapter(data, tmp_path / "out" / "step-1", sha256_hex(data))
+    assert sorted(p.name for p in dest.iterdir()) == sorted(p.name for p in source.iterdir())
+    for name in ("adapter_config.json", "tokenizer.json", "README.md"):
+        assert (dest / name).read_bytes() == (source / name).read_bytes()
+    loaded = load_file(str(dest / "adapter_model.safetensors"))
+    original = load_file(str(source / "adapter_model.safetensors"))
+    assert loaded.keys() == original.keys()
+    assert all(torch.equal(loaded[k], original[k]) for k in original)
+
+
+def test_sha_mismatch_writes_nothing(tmp_path):
+    data = pack_adapter(make_adapter(tmp_path / "adapter"))
+    with pytest.raises(AdapterError, match="sha256 mismatch"):
+        unpack_adapter(data, tmp_path / "out" / "step-1", "0" * 64)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", ["adapter_model.bin", "optimizer.pt", "state.pkl", "w.pth"])
+def test_pack_refuses_pickle_weights(tmp_path, name):
+    source = make_adapter(tmp_path / "adapter")
+    (source / name).write_bytes(b"\x80\x04")
+    with pytest.raises(AdapterError, match="pickle"):
+        pack_adapter(source)
+
+
+def test_pack_refuses_links_folders_and_unknown_files(tmp_path):
+    source = make_adapter(tmp_path / "adapter")
+    (source / "link.json").symlink_to(tmp_path / "elsewhere.json")
+    with pytest.raises(AdapterError, match="regular files"):
+        pack_adapter(source)
+    (source / "link.json").unlink()
+    (source / "nested").mkdir()
+    with pytest.raises(AdapterError, match="regular files"):
+        pack_adapter(source)
+    (source / "nested").rmdir()
+    (source / "run.sh").write_text("echo hi")
+    with pytest.raises(AdapterError, match="not an adapter file"):
+        pack_adapter(source)
+
+
+def _link(name: str, target: str, kind: bytes) -> tuple[tarfile.TarInfo, None]:
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname = kind, target
+    return info, None
+
+
+@pytest.mark.parametrize(
+    "member, message",
+    [
+        (regular("../evil.json"), "plain file names"),
+        (regular("/etc/evil.json"), "plain file names"),
+        (regular("sub/adapter_model.safetensors"), "plain file names"),
+        (regular("adapter_model.bin", b"\x80\x04"), "pickle"),
+        (_link("tokenizer.json", "/etc/passwd", tarfile.SYMTYPE), "regular files"),
+        (_link("vocab.json", "adapter_config.json", tarfile.LNKTYPE), "regular files"),
+    ],
+)
+def test_unpack_refuses_unsafe_members_and_writes_nothing(tmp_path, member, message):
+    data = tar_of(regular("adapter_config.json"), member)
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(AdapterError, match=message):
+        unpack_adapter(data, out / "step-1", sha256_hex(data))
+    assert list(out.iterdir()) == [] and not (tmp_path / "evil.json").exists()
+
+
+def test_unpack_replaces_an_existing_copy_whole(tmp_path):
+    dest = tmp_path / "out" / "step-1"
+    dest.mkdir(parents=True)
+    (dest / "stale.safetensors").write_bytes(b"old")
+    data = pack_adapter(make_adapter(tmp_path / "adapter"))
+    unpack_adapter(data, dest, sha256_hex(data))
+    assert sorted(p.name for p in dest.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert [p.name for p in dest.parent.iterdir()] == ["step-1"]  # no staging folder left behind
+
+
+# -- object store ----------------------------------------------------------------------------------
+
+
+async def test_object_store_round_trip(js, tmp_path):
+    data = pack_adapter(make_adapter(tmp_path / "adapter"))
+    await put_adapter(js, "proj/agent/step-1", data)
+    assert await get_adapter(js, "proj/agent/step-1") == data
+    with pytest.raises(AdapterNotFound):
+        await get_adapter(js, "proj/agent/step-404")
+
+
+# -- checkpoint watcher --------------------------------------------------------------------------
+
+
+@dataclass
+class FakeEngine:
+    kind: str = "fake"
+    loads: list[tuple[str, dict[str, torch.Tensor]]] = field(default_factory=list)
+
+    async def load_adapter(self, name: str, path: Path) -> None:
+        # What a real engine would read: the safetensors file, copied out of the cache dir.
+        self.loads.append((name, load_file(str(path / "adapter_model.safetensors"))))
+
+    async def unload_adapter(self, name: str) -> None:
+        pass
+
+    def adapters(self) -> list[str]:
+        return [name for name, _ in self.loads]
+
+
+async def publish_adapter(js, tmp_path: Path, step: int, *, sha256: str | None = None) -> bytes:
+    data = pack_adapter(make_adapter(tmp_path / f"adapter-{step}", seed=step))
+    object_name = f"{PROJECT}/{MODEL}/step-{step}"
+    await put_adapter(js, object_name, data)
+    event = CheckpointPublished(
+        id=new_event_id(),
+        project=PROJECT,
+        model=MODEL,
+        step=step,
+        object_name=object_name,
+        sha256=sha256 or sha256_hex(data),
+        size_bytes=len(data),
+        base_model="tiny",
+        served_name=f"{MODEL}@{step}",
+    )
+    await bus.publish_event(js, subjects.checkpoint("published", PROJECT, MODEL), event)
+    return data
+
+
+async def wait_until(predicate, timeout: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+async def test_watcher_loads_the_newest_published_adapter_then_follows_live(js, tmp_path):
+    await publish_adapter(js, tmp_path, 1)
+    await publish_adapter(js, tmp_path, 2)  # published before the replica started
+    engine = FakeEngine()
+    loaded: list[tuple[int, str]] = []
+    watcher = CheckpointWatcher(
+        js,
+        PROJECT,
+        MODEL,
+        engine,
+        lambda step, name: loaded.append((step, name)),
+        cache_dir=tmp_path / "cache",
+    )
+    await watcher.start()
+    try:
+        await wait_until(lambda: loaded == [(2, f"{MODEL}@2")])  # the newest, not every step ever
+
+        async def on_loaded_async(step: int, name: str) -> None:
+            loaded.append((step, name))
+
+        watcher.on_loaded = on_loaded_async  # an async callback works too
+        await publish_adapter(js, tmp_path, 3, sha256="f" * 64)  # corrupt: announced hash is wrong
+        await publish_adapter(js, tmp_path, 4)
+        await wait_until(lambda: len(loaded) == 2)
+        assert loaded == [(2, f"{MODEL}@2"), (4, f"{MODEL}@4")]
+        assert engine.adapters() == [f"{MODEL}@2", f"{MODEL}@4"]  # step 3 skipped, never loaded
+        expected = load_file(str(tmp_path / "adapter-4" / "adapter_model.safetensors"))
+        assert all(torch.equal(engine.loads[1][1][k], v) for k, v in expected.items())
+        assert not (tmp_path / "cache" / PROJECT / MODEL / "step-3").exists()
+    finally:
+        await watcher.stop()
