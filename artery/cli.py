@@ -63,6 +63,11 @@ def cmd_up(args: argparse.Namespace) -> int:
                     process.restarts += 1
                     process.start()
                     _line(name, "started", f"pid {process.proc.pid}")
+                    try:
+                        process.wait_ready()
+                        _line(name, "ready")
+                    except (RuntimeError, TimeoutError) as exc:
+                        _line(name, "failed", str(exc))
     finally:
         print("stopping...", flush=True)
         for name, process in reversed(list(stack.processes.items())):

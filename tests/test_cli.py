@@ -53,6 +53,7 @@ def test_up_status_restart_and_clean_shutdown(tmp_path: Path):
         os.kill(pid, signal.SIGKILL)
         read_until(up, r"collector\s+exited\s+code -9; restarting")
         read_until(up, r"collector\s+started\s+pid \d+")
+        read_until(up, r"collector\s+ready")
 
         up.send_signal(signal.SIGINT)
         rest = up.communicate(timeout=60)[0]

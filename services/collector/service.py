@@ -18,7 +18,7 @@ from opentelemetry import trace
 
 from artery.schemas import GroupReady
 from artery.services.collector.settings import CollectorSettings
-from artery.services.collector.store import StoredGroup, needs_reward, write_groups
+from artery.services.collector.store import StoredGroup, write_groups
 from artery.services.collector.validate import decode_group
 from artery.shared import subjects
 from artery.shared.bus import CONTENT_TYPE, prepare, publish_prepared
@@ -55,31 +55,40 @@ class Collector:
         self.dsn = dsn
         self.settings = settings
         self.pool: asyncpg.Pool | None = None
+        self._pool_lock = asyncio.Lock()
         self._tracer = tracer(SERVICE)
-        self.consumer = DurableConsumer(
-            js,
-            service=SERVICE,
-            stream=subjects.TRAJECTORIES,
-            durable=subjects.COLLECTOR_CONSUMER,
-            filter_subject=subjects.TRAJECTORIES.subjects[0],
-            handler=self.handle_batch,
-            options=ConsumerOptions(
-                batch_size=settings.batch_size,
-                fetch_timeout_s=settings.fetch_timeout_s,
-                ack_wait_s=settings.ack_wait_s,
-                max_deliveries=settings.max_deliveries,
-                backoff_max_s=settings.backoff_max_s,
-            ),
-        )
+        # ``concurrency`` fetch loops on the same durable consumer, each with its own batch (as
+        # replicas would be): while one batch waits for PostgreSQL, the next one is decoded.
+        self.consumers = [
+            DurableConsumer(
+                js,
+                service=SERVICE,
+                stream=subjects.TRAJECTORIES,
+                durable=subjects.COLLECTOR_CONSUMER,
+                filter_subject=subjects.TRAJECTORIES.subjects[0],
+                handler=self.handle_batch,
+                options=ConsumerOptions(
+                    batch_size=settings.batch_size,
+                    fetch_timeout_s=settings.fetch_timeout_s,
+                    ack_wait_s=settings.ack_wait_s,
+                    max_deliveries=settings.max_deliveries,
+                    backoff_max_s=settings.backoff_max_s,
+                ),
+            )
+            for _ in range(settings.concurrency)
+        ]
+        self.consumer = self.consumers[0]
 
     async def start(self) -> None:
-        await self.consumer.start()
+        for consumer in self.consumers:
+            await consumer.start()
 
     async def run(self) -> None:
-        await self.consumer.run()
+        await asyncio.gather(*(consumer.run() for consumer in self.consumers))
 
     def stop(self) -> None:
-        self.consumer.stop()
+        for consumer in self.consumers:
+            consumer.stop()
 
     async def close(self) -> None:
         if self.pool is not None:
@@ -100,7 +109,8 @@ class Collector:
             except InvalidMessage as exc:
                 outcomes[i] = exc
                 continue
-            valid.append((i, StoredGroup(group, msg.metadata.sequence.stream)))
+            # Only the compact record outlives this iteration (see StoredGroup).
+            valid.append((i, StoredGroup.of(group, msg.metadata.sequence.stream)))
         if not valid:
             return outcomes
         try:
@@ -113,8 +123,9 @@ class Collector:
 
     async def _store(self, batch: list[StoredGroup]) -> set[str]:
         try:
-            if self.pool is None:
-                self.pool = await create_pool(self.dsn, max_size=self.settings.db_pool_size)
+            async with self._pool_lock:  # concurrent batches must not open two pools
+                if self.pool is None:
+                    self.pool = await create_pool(self.dsn, max_size=self.settings.db_pool_size)
             async with self.pool.acquire() as conn:
                 return await write_groups(conn, batch)
         except _DB_DOWN as exc:
@@ -127,8 +138,7 @@ class Collector:
     async def _announce(self, msgs: Sequence[Msg], valid: list[tuple[int, StoredGroup]]) -> None:
         """Publish one ``group.ready`` per stored group, each in its submission's trace."""
         items = []
-        for i, item in valid:
-            g = item.group
+        for i, g in valid:
             ready = GroupReady(
                 id=ready_event_id(g.id),
                 project=g.project,
@@ -136,10 +146,10 @@ class Collector:
                 step=g.step,
                 group_id=g.id,
                 split=g.split,
-                num_trajectories=len(g.trajectories),
-                rewards=[t.reward for t in g.trajectories],
-                needs_reward=needs_reward(g),
-                stream_seq=item.stream_seq,
+                num_trajectories=len(g.bodies),
+                rewards=g.rewards,
+                needs_reward=g.needs_reward,
+                stream_seq=g.stream_seq,
             )
             parent = extract(msgs[i].headers)
             with self._tracer.start_as_current_span(

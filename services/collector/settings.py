@@ -24,3 +24,11 @@ class CollectorSettings(msgspec.Struct, kw_only=True, frozen=True):
     ack_wait_s: Annotated[float, doc("time to commit a batch before redelivery", gt=0)] = 30.0
     backoff_max_s: Annotated[float, doc("longest pause while PostgreSQL is down", gt=0)] = 10.0
     db_pool_size: Annotated[int, doc("PostgreSQL connections", ge=1, le=64)] = 2
+    concurrency: Annotated[
+        int,
+        doc(
+            "batches handled at once, each on its own connection (one is decoded while another is written)",
+            ge=1,
+            le=16,
+        ),
+    ] = 2

@@ -1,0 +1,31 @@
+"""``python -m loadtests [NAME ...] [options]``: run every benchmark, or the ones named.
+
+Options after the names go to each benchmark that runs (``python -m loadtests ingest --quick``).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+from loadtests import ingest
+
+BENCHMARKS: dict[str, Callable[[list[str]], dict]] = {"ingest": ingest.main}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    names = []
+    while argv and argv[0] in BENCHMARKS:
+        names.append(argv.pop(0))
+    if argv and argv[0] in ("-h", "--help") and not names:
+        print(__doc__.strip())
+        print("benchmarks:", ", ".join(BENCHMARKS))
+    for name in names or list(BENCHMARKS):
+        print(f"== {name} ==", flush=True)
+        BENCHMARKS[name](argv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
