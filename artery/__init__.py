@@ -5,11 +5,11 @@ rollouts of one input form a ``TrajectoryGroup``, and ``model.publish(groups)`` 
 the services (collector → reward → trainer).
 """
 
-from artery.backend import Backend, LocalBackend
+from artery.backend import Backend, LocalBackend, TrainingFailed, TrainResult
 from artery.gather import TooManyExceptions, gather_trajectories, gather_trajectory_groups
 from artery.model import Model, TrainableModel
 from artery.retry import retry
-from artery.schemas import RewardSpec, RulerSpec
+from artery.schemas import RewardSpec, RulerSpec, TrainConfig
 from artery.trajectories import History, Trajectory, TrajectoryGroup
 
 __all__ = [
@@ -20,7 +20,10 @@ __all__ = [
     "RewardSpec",
     "RulerSpec",
     "TooManyExceptions",
+    "TrainConfig",
+    "TrainResult",
     "TrainableModel",
+    "TrainingFailed",
     "Trajectory",
     "TrajectoryGroup",
     "gather_trajectories",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -17,7 +18,17 @@ import msgspec
 import nats
 from nats.js.errors import KeyNotFoundError
 
-from artery.schemas import ModelRecord, utcnow
+from artery.schemas import (
+    ModelRecord,
+    RetentionApplied,
+    RetentionRequested,
+    TrainCompleted,
+    TrainConfig,
+    TrainFailed,
+    TrainRequested,
+    new_event_id,
+    utcnow,
+)
 from artery.shared import bus, subjects
 from artery.shared.control_client import live_replicas
 from artery.shared.settings import CommonSettings
@@ -28,6 +39,23 @@ if TYPE_CHECKING:
     from artery.model import Model
 
 _record_decoder = msgspec.json.Decoder(ModelRecord)
+_outcome_decoder = msgspec.json.Decoder(TrainCompleted | TrainFailed)
+
+
+@dataclass
+class TrainResult:
+    """What one training step returned: the new step (policy version) and its metrics."""
+
+    step: int
+    metrics: dict[str, float]
+
+
+class TrainingFailed(RuntimeError):
+    """The trainer answered ``train.failed``; ``retriable`` says whether asking again can help."""
+
+    def __init__(self, message: str, *, retriable: bool):
+        super().__init__(message)
+        self.retriable = retriable
 
 
 class Backend:
@@ -115,6 +143,107 @@ class Backend:
         await bus.publish_events(js, [(subjects.trajectories(e.project, e.model), e) for e in events])
         return [e.id for e in events]
 
+    async def train(
+        self,
+        model: Model,
+        groups: Iterable[TrajectoryGroup],
+        *,
+        config: TrainConfig | None = None,
+        timeout_s: float | None = None,
+        wait_for_serving_s: float = 120.0,
+        **config_fields,
+    ) -> TrainResult:
+        """One GRPO step on ``groups``; returns once the new adapter is served by every replica.
+
+        Keyword arguments not named here are ``TrainConfig`` fields (``learning_rate=``,
+        ``loss_fn=``...), as ART's ``backend.train`` takes them.
+        """
+        config = (
+            msgspec.structs.replace(config or TrainConfig(), **config_fields) if config_fields else config
+        )
+        group_ids = await self.publish(model, groups, split="train")
+        if not group_ids:
+            raise ValueError("train() needs at least one group")
+        nc = await self._connect()
+        outcome_subject = subjects.train("*", model.project, model.name)
+        sub = await nc.subscribe(outcome_subject)  # before publishing, so no answer is missed
+        try:
+            request = TrainRequested(
+                id=new_event_id(),
+                project=model.project,
+                model=model.name,
+                step=await self._get_step(model),
+                group_ids=group_ids,
+                config=config or TrainConfig(),
+            )
+            await bus.publish_event(
+                nc.jetstream(), subjects.train("requested", model.project, model.name), request
+            )
+            outcome = await self._await_outcome(sub, request.id, timeout_s)
+        finally:
+            await sub.unsubscribe()
+        if isinstance(outcome, TrainFailed):
+            raise TrainingFailed(outcome.error, retriable=outcome.retriable)
+        await self._wait_until_served(model, outcome.step, wait_for_serving_s)
+        return TrainResult(step=outcome.step, metrics=dict(outcome.metrics))
+
+    async def _await_outcome(self, sub, request_id: str, timeout_s: float | None):
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout_s is None else loop.time() + timeout_s
+        while True:
+            remaining = None if deadline is None else max(deadline - loop.time(), 0.001)
+            try:
+                msg = await sub.next_msg(timeout=remaining if remaining is not None else 3600)
+            except nats.errors.TimeoutError:
+                if deadline is not None and loop.time() >= deadline:
+                    raise TimeoutError(
+                        f"no answer to train request {request_id} within {timeout_s}s"
+                    ) from None
+                continue
+            try:
+                outcome = _outcome_decoder.decode(msg.data)
+            except msgspec.DecodeError:
+                continue  # a train.requested of someone else's, or garbage: not ours
+            if outcome.request_id == request_id:
+                return outcome
+
+    async def _wait_until_served(self, model: Model, step: int, timeout_s: float) -> None:
+        """Every live replica of the model lists ``<model>@<step>`` (they load it after publication)."""
+        name = model.get_inference_name(step)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            replicas = await live_replicas(await self._js(), model.project, model.name)
+            if all(name in r.served for r in replicas):
+                return
+            if loop.time() > deadline:
+                lagging = [r.replica_id for r in replicas if name not in r.served]
+                raise TimeoutError(f"{name} not served within {timeout_s}s by {lagging}")
+            await asyncio.sleep(0.05)
+
+    async def delete_checkpoints(
+        self, model: Model, *, best_checkpoint_metric: str | None = "reward_mean", keep_latest: int = 1
+    ) -> RetentionApplied:
+        """Keep the latest step(s) and the best by the metric; the publisher deletes the rest."""
+        nc = await self._connect()
+        request = RetentionRequested(
+            id=new_event_id(),
+            project=model.project,
+            model=model.name,
+            keep_latest=keep_latest,
+            best_metric=best_checkpoint_metric,
+        )
+        reply = await nc.request(
+            subjects.retention_request(model.project, model.name),
+            msgspec.json.encode(request),
+            timeout=30,
+            headers=bus.event_headers(request),
+        )
+        applied = msgspec.json.decode(reply.data, type=RetentionApplied)
+        if applied.error:
+            raise RuntimeError(f"retention failed: {applied.error}")
+        return applied
+
     async def close(self) -> None:
         if self._nc is not None and not self._nc.is_closed:
             await bus.close(self._nc)
@@ -167,7 +296,7 @@ class LocalBackend(Backend):
             }
             process = self.stack.start_service(name, service="inference", env=env)
             await asyncio.to_thread(process.wait_ready, timeout_s)
-        return await super()._inference_url(model, timeout_s=timeout_s)
+        return await super()._inference_url(model, timeout_s=timeout_s if self.start_inference else 0.0)
 
     @property
     def database_url(self) -> str | None:

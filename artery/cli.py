@@ -27,6 +27,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     from artery.stack import SERVICES, Stack
 
     services = tuple(s for s in args.services.split(",") if s) if args.services else SERVICES
+    replicas = [_parse_serve(spec) for spec in args.serve or []]
     stack = Stack(
         home=Path(args.home),
         nats_url=os.environ.get("ARTERY_NATS_URL") or None,
@@ -49,8 +50,20 @@ def cmd_up(args: argparse.Namespace) -> int:
         for name in services:
             process = stack.start_service(name)
             _line(name, "started", f"pid {process.proc.pid}, log {process.log_path}")
-        for name in services:
-            stack.processes[name].wait_ready()
+        for project, model, base_model in replicas:
+            name = f"inference-{project}-{model}"
+            stack.start_service(
+                name,
+                service="inference",
+                env={
+                    "ARTERY_INFERENCE_PROJECT": project,
+                    "ARTERY_INFERENCE_MODEL": model,
+                    "ARTERY_INFERENCE_BASE_MODEL": base_model,
+                },
+            )
+            _line(name, "started", f"serving {project}/{model} on {base_model}")
+        for name in stack.processes:
+            stack.processes[name].wait_ready(timeout=300)
             _line(name, "ready")
         print("Artery is up. Ctrl-C stops it.", flush=True)
         while not stopping:
@@ -76,6 +89,15 @@ def cmd_up(args: argparse.Namespace) -> int:
         stack.stop()
         _line("servers", "stopped")
     return 0
+
+
+def _parse_serve(spec: str) -> tuple[str, str, str]:
+    """``project/model=base_model`` (``demo/agent=artery/tiny-random``)."""
+    names, _, base_model = spec.partition("=")
+    project, _, model = names.partition("/")
+    if not (project and model and base_model):
+        raise SystemExit(f"--serve expects project/model=base_model, got {spec!r}")
+    return project, model, base_model
 
 
 def _connection_urls(home: str) -> tuple[str, str | None]:
@@ -112,6 +134,12 @@ async def _status(home: str) -> int:
             for c in await js.consumers_info(spec.name)
         )
         print(f"  {spec.name:<22} {info.state.messages:>9} {info.state.bytes:>11}   {consumers or '-'}")
+    replicas = await _replicas(js)
+    if replicas:
+        print("inference replicas")
+        for info in replicas:
+            state = "paused" if info.paused else "serving"
+            print(f"  {info.replica_id:<30} {state:<8} {info.url}  {', '.join(info.served)}")
     try:
         kv = await js.key_value(subjects.MODELS_BUCKET)
         keys = await kv.keys()
@@ -126,11 +154,25 @@ async def _status(home: str) -> int:
     if database_url:
         print(f"PostgreSQL {database_url}")
         conn = await asyncpg.connect(database_url)
-        for table in ("models", "trajectory_groups", "trajectories"):
+        for table in ("models", "trajectory_groups", "trajectories", "training_steps", "checkpoints"):
             count = await conn.fetchval(f"SELECT count(*) FROM {table}")  # names are ours, not input
             print(f"  {table:<22} {count:>9} rows")
         await conn.close()
     return 0
+
+
+async def _replicas(js) -> list:
+    import msgspec
+
+    from artery.schemas import ReplicaInfo
+    from artery.shared import subjects
+
+    try:
+        kv = await js.key_value(subjects.REPLICAS_BUCKET)
+        keys = await kv.keys()
+    except Exception:  # no bucket or no keys yet
+        return []
+    return [msgspec.json.decode((await kv.get(k)).value, type=ReplicaInfo) for k in keys]
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -138,13 +180,18 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_config(_: argparse.Namespace) -> int:
-    from artery.services.collector.settings import PREFIX as COLLECTOR_PREFIX
-    from artery.services.collector.settings import CollectorSettings
+    from artery.services.collector import settings as collector
+    from artery.services.inference import settings as inference
+    from artery.services.publisher import settings as publisher
+    from artery.services.trainer import settings as trainer
     from artery.shared.settings import CommonSettings, describe
 
     for title, cls, prefix in (
         ("every service and the SDK", CommonSettings, "ARTERY_"),
-        ("collector", CollectorSettings, COLLECTOR_PREFIX),
+        ("collector", collector.CollectorSettings, collector.PREFIX),
+        ("inference", inference.InferenceSettings, inference.PREFIX),
+        ("trainer", trainer.TrainerSettings, trainer.PREFIX),
+        ("publisher", publisher.PublisherSettings, publisher.PREFIX),
     ):
         print(f"# {title}")
         for variable, default, description in describe(cls, prefix):
@@ -159,6 +206,12 @@ def main(argv: list[str] | None = None) -> int:
     up = sub.add_parser("up", help="run NATS, PostgreSQL and every service in the foreground")
     up.add_argument("--home", default=DEFAULT_HOME, help="state directory (default %(default)s)")
     up.add_argument("--services", help="comma-separated subset of services to run")
+    up.add_argument(
+        "--serve",
+        action="append",
+        metavar="PROJECT/MODEL=BASE",
+        help="start an inference replica for a model (repeatable), e.g. demo/agent=artery/tiny-random",
+    )
     up.set_defaults(func=cmd_up)
     status = sub.add_parser("status", help="streams, consumers, lag and row counts")
     status.add_argument("--home", default=DEFAULT_HOME, help="state directory of `artery up`")

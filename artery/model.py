@@ -14,7 +14,8 @@ from artery.schemas.base import NAME_PATTERN
 from artery.trajectories import Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:
-    from artery.backend import Backend
+    from artery.backend import Backend, TrainResult
+    from artery.schemas import TrainConfig
 
 import re
 
@@ -160,6 +161,41 @@ class TrainableModel(Model):
     def __init__(self, *, name: str, project: str, base_model: str, **kwargs):
         super().__init__(name=name, project=project, **kwargs)
         self.base_model = base_model
+
+    async def train(
+        self,
+        trajectory_groups: Iterable[TrajectoryGroup],
+        config: TrainConfig | None = None,
+        *,
+        verbose: bool = False,
+        **kwargs,
+    ) -> TrainResult:
+        """One training step on the groups, as in ART 0.4: returns when the new adapter is served.
+
+        The step's metrics (and the groups' averages) are logged under ``train/`` in
+        ``history.jsonl``, so ``delete_checkpoints`` can pick the best step.
+        """
+        groups = list(trajectory_groups)
+        result = await self.backend.train(self, groups, config=config, **kwargs)
+        row = {f"train/{k}": v for k, v in summarize(groups).items()}
+        row.update({f"train/{k}": v for k, v in result.metrics.items() if k not in ("reward",)})
+        _append_history(
+            self.directory / "history.jsonl", {"step": result.step, "recorded_at": time.time(), **row}
+        )
+        if verbose:
+            print(
+                f"step {result.step}: " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(result.metrics.items()))
+            )
+        return result
+
+    async def delete_checkpoints(
+        self, best_checkpoint_metric: str | None = "reward_mean", *, keep_latest: int = 1
+    ):
+        """As ART: keep the latest step and the best one by ``best_checkpoint_metric`` (a metric of
+        the training step, e.g. ``reward_mean``); every other adapter is deleted everywhere."""
+        return await self.backend.delete_checkpoints(
+            self, best_checkpoint_metric=best_checkpoint_metric, keep_latest=keep_latest
+        )
 
 
 def _append_history(path: Path, row: dict[str, Any]) -> None:

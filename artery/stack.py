@@ -19,8 +19,9 @@ from pathlib import Path
 
 from artery.shared.embedded import NatsServer, PostgresServer, postgres_bin_dir
 
-#: Every service that exists, in start order. Later issues add inference, reward, trainer, publisher.
-SERVICES: tuple[str, ...] = ("collector",)
+#: Every model-independent service, in start order. Inference replicas serve one model each and
+#: are started per model (``LocalBackend.register``, ``artery up --serve``).
+SERVICES: tuple[str, ...] = ("collector", "publisher", "trainer")
 DATABASE = "artery"
 #: Every service logs this event once it is set up and serving (see ``shared.runtime``).
 READY_MARKER = b'"event": "ready"'
@@ -129,6 +130,8 @@ class Stack:
                 "ARTERY_DATABASE_URL": self.database_url or "",
                 "PYTHONUNBUFFERED": "1",
                 "ARTERY_LOG_FORMAT": "json",  # the readiness check reads these lines
+                # Trainer and publisher share this directory (the publisher reads the adapters).
+                "ARTERY_TRAINER_CHECKPOINT_DIR": str(self.home / "checkpoints"),
             }
         )
         env.update(self.extra_env)

@@ -8,9 +8,13 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
-from loadtests import ingest
+from loadtests import inference, ingest, loop
 
-BENCHMARKS: dict[str, Callable[[list[str]], dict]] = {"ingest": ingest.main}
+BENCHMARKS: dict[str, Callable[[list[str]], dict]] = {
+    "ingest": ingest.main,
+    "inference": inference.main,
+    "loop": loop.main,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

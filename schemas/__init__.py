@@ -11,7 +11,13 @@ Evolution rules (checked by review, and by the drift test for the generated docu
 """
 
 from artery.schemas.base import SCHEMA_VERSION, Event, new_event_id, utcnow
-from artery.schemas.checkpoints import CheckpointDeleted, CheckpointPublished, CheckpointSaved
+from artery.schemas.checkpoints import (
+    CheckpointDeleted,
+    CheckpointPublished,
+    CheckpointSaved,
+    RetentionApplied,
+    RetentionRequested,
+)
 from artery.schemas.control import PauseAck, PauseInference, ReplicaInfo, ResumeAck, ResumeInference
 from artery.schemas.deadletter import DeadLetter
 from artery.schemas.groups import GroupReady, GroupScored, TrajectoryScore
@@ -59,6 +65,8 @@ __all__ = [
     "ReplicaInfo",
     "ResumeAck",
     "ResumeInference",
+    "RetentionApplied",
+    "RetentionRequested",
     "RewardSpec",
     "RulerSpec",
     "Sample",

@@ -1,8 +1,8 @@
-"""Trainer → publisher → inference: adapters saved, published, retired."""
+"""Trainer → publisher → inference: adapters saved, published, retired; and retention on demand."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -38,6 +38,36 @@ class CheckpointDeleted(Event, kw_only=True, tag="checkpoint.deleted"):
 
     object_name: str
     reason: str = "retention"
+
+
+class RetentionRequested(Event, kw_only=True, tag="checkpoint.retain"):
+    """Apply retention to a model's checkpoints now: what ``model.delete_checkpoints()`` sends.
+
+    Sent as a NATS request (no stream) to ``artery.control.publisher.<project>.<model>.retain``;
+    the publisher answers with ``RetentionApplied``. It keeps the ``keep_latest`` newest steps
+    and the step with the best value of ``best_metric`` (as the trainer reported it in
+    ``checkpoint.saved``), and deletes every other adapter, publishing ``checkpoint.deleted``
+    for each. ``best_metric: null`` keeps only the newest steps. The latest step is never deleted.
+    """
+
+    keep_latest: Annotated[int, msgspec.Meta(ge=1, le=1_000_000)] = 1
+    #: The metric whose best step is kept (ART's ``best_checkpoint_metric``); null: none.
+    best_metric: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | None
+    #: Whether the best value of ``best_metric`` is the highest or the lowest.
+    best_mode: Literal["max", "min"] = "max"
+
+
+class RetentionApplied(Event, kw_only=True, tag="checkpoint.retained"):
+    """The publisher's answer to ``RetentionRequested``: which steps are kept and which it deleted."""
+
+    #: Steps whose adapters remain, ascending.
+    kept: list[int] = []
+    #: Steps deleted by this request, ascending (already deleted ones are not repeated).
+    deleted: list[int] = []
+    #: The step kept as the best by ``best_metric``, if any step reported it.
+    best_step: int | None = None
+    #: Set when the request could not be applied (invalid, or PostgreSQL unavailable).
+    error: str | None = None
 
 
 CheckpointEvent = CheckpointSaved | CheckpointPublished | CheckpointDeleted

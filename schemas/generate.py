@@ -45,6 +45,8 @@ from artery.schemas import (
     ReplicaInfo,
     ResumeAck,
     ResumeInference,
+    RetentionApplied,
+    RetentionRequested,
     TrainCompleted,
     TrainFailed,
     TrainRequested,
@@ -172,6 +174,9 @@ def channels() -> list[Channel]:
         Channel("controlResume", s.control("resume", p, m), None, ResumeInference,
                 "the trainer", "inference replicas", reply="controlResumeReply"),
         Channel("controlResumeReply", None, None, ResumeAck, "inference replicas", "the trainer"),
+        Channel("retentionRequest", s.retention_request(p, m), None, RetentionRequested,
+                "the SDK (model.delete_checkpoints)", "the publisher", reply="retentionReply"),
+        Channel("retentionReply", None, None, RetentionApplied, "the publisher", "the SDK"),
         Channel("deadLetters", s.dead_letter(SERVICE), s.DLQ, DeadLetter,
                 "any service that rejects input", "operators (kept for inspection and replay)"),
     ]

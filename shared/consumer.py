@@ -206,8 +206,9 @@ class DurableConsumer:
 
 
 def _names_from_subject(subject: str) -> tuple[str, str]:
-    parsed = subjects.parse_trajectories(subject)
-    if parsed is None:
+    """Project and model of a streamed subject: its last two tokens (``artery.<family>...<p>.<m>``)."""
+    tokens = subject.split(".")
+    if len(tokens) < 4 or tokens[0] != subjects.PREFIX:
         return UNKNOWN, UNKNOWN
-    project, model = parsed
+    project, model = tokens[-2], tokens[-1]
     return (project if _NAME.match(project) else UNKNOWN, model if _NAME.match(model) else UNKNOWN)

@@ -60,6 +60,9 @@ def describe(cls: type[msgspec.Struct], prefix: str) -> list[tuple[str, str, str
     for field in msgspec.structs.fields(cls):
         metas = getattr(hints[field.name], "__metadata__", ())
         description = next((m.description for m in metas if isinstance(m, msgspec.Meta)), "")
-        default = "(required)" if field.default is msgspec.NODEFAULT else repr(field.default)
+        if field.default is not msgspec.NODEFAULT:
+            default = repr(field.default)
+        else:
+            default = "(generated)" if field.default_factory is not msgspec.NODEFAULT else "(required)"
         rows.append((f"{prefix}{field.name.upper()}", default, description or ""))
     return rows

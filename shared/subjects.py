@@ -30,6 +30,7 @@ STREAMS: tuple[StreamSpec, ...] = (TRAJECTORIES, GROUPS, TRAINING, CHECKPOINTS, 
 
 # Durable consumers, one per role: replicas of a service share it and split the work.
 COLLECTOR_CONSUMER = "collector"
+PUBLISHER_CONSUMER = "publisher"
 
 # Key-value buckets and the object store.
 MODELS_BUCKET = "artery_models"  # key <project>.<model>: registration and current step
@@ -54,6 +55,10 @@ def train(kind: str, project: str, model: str) -> str:
     return f"{PREFIX}.train.{kind}.{project}.{model}"
 
 
+#: Every ``checkpoint.saved``, whatever the project and model (the publisher's filter).
+CHECKPOINTS_SAVED = f"{PREFIX}.ckpt.saved.>"
+
+
 def checkpoint(kind: str, project: str, model: str) -> str:
     """``kind`` is ``saved``, ``published`` or ``deleted``."""
     return f"{PREFIX}.ckpt.{kind}.{project}.{model}"
@@ -62,6 +67,11 @@ def checkpoint(kind: str, project: str, model: str) -> str:
 def control(action: str, project: str, model: str) -> str:
     """``action`` is ``pause`` or ``resume``; request/reply, no stream."""
     return f"{PREFIX}.control.inference.{project}.{model}.{action}"
+
+
+def retention_request(project: str, model: str) -> str:
+    """Ask the publisher to apply retention now; request/reply, no stream."""
+    return f"{PREFIX}.control.publisher.{project}.{model}.retain"
 
 
 def dead_letter(service: str) -> str:

@@ -61,8 +61,12 @@ def test_up_status_restart_and_clean_shutdown(tmp_path: Path):
         assert re.search(r"collector\s+stopped\s+code 0", rest)
         assert "servers      stopped" in rest
     finally:
-        if up.poll() is None:
-            up.kill()
+        if up.poll() is None:  # a failed assertion: stop it the way a user would, children included
+            up.send_signal(signal.SIGINT)
+            try:
+                up.wait(60)
+            except subprocess.TimeoutExpired:
+                up.kill()
 
 
 def test_config_lists_every_setting_with_its_description():

@@ -171,3 +171,53 @@ async def _publish_slowly(js, groups, per_batch: int = 30):
     for start in range(0, len(groups), per_batch):
         await publish_events(js, [(SUBJECT, g) for g in groups[start : start + per_batch]])
         await asyncio.sleep(0.05)
+
+
+async def test_a_sampled_nul_character_is_stored(js, db, run_collector):
+    """jsonb cannot hold U+0000: the text keeps U+FFFD in its place, the token ids stay exact."""
+    await run_collector()
+    with_nul = group(size=2, seed=200)
+    with_nul.trajectories[0].messages[2].content = "a\x00b"
+    await publish_event(js, SUBJECT, with_nul)
+
+    async def stored():
+        return (await counts(db))[0] == 1
+
+    await wait_for(stored)
+    message = await db.fetchval(
+        "SELECT body->'messages'->2 FROM trajectories WHERE group_id = $1 AND idx = 0", with_nul.id
+    )
+    assert message["content"] == "a\ufffdb"
+    assert message["sample"]["token_ids"] == with_nul.trajectories[0].messages[2].sample.token_ids
+
+
+async def test_a_group_postgres_rejects_is_dead_lettered_alone(js, db, run_collector, monkeypatch):
+    """PostgreSQL refusing one group's content must not hold back the rest of its batch."""
+    from artery.services.collector import service
+
+    poison = group(size=2, seed=400)
+    real_write = service.write_groups
+
+    async def write_refusing_poison(conn, batch):
+        if any(item.id == poison.id for item in batch):
+            raise asyncpg.exceptions.DataError("invalid byte sequence for encoding UTF8")
+        return await real_write(conn, batch)
+
+    monkeypatch.setattr(service, "write_groups", write_refusing_poison)
+    good = [group(size=2, seed=500 + i) for i in range(4)]
+    await publish_events(js, [(SUBJECT, g) for g in [good[0], poison, *good[1:]]])
+    await run_collector(batch_size=50, concurrency=1)
+
+    async def stored():
+        return (await counts(db))[0] == 4
+
+    await wait_for(stored)
+    dlq = subjects.DLQ.name
+
+    async def dead_lettered():
+        return (await js.stream_info(dlq)).state.messages == 1
+
+    await wait_for(dead_lettered)
+    letter = msgspec.json.decode((await js.get_msg(dlq, 1)).data, type=DeadLetter)
+    assert letter.kind == "storage" and letter.original_id == poison.id
+    assert "invalid byte sequence" in letter.reason

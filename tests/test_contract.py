@@ -35,6 +35,8 @@ from artery.schemas import (
     ReplicaInfo,
     ResumeAck,
     ResumeInference,
+    RetentionApplied,
+    RetentionRequested,
     RewardSpec,
     RulerSpec,
     Sample,
@@ -158,6 +160,8 @@ EXAMPLES: list[Event] = [
         served_name="agent-1@4",
     ),
     CheckpointDeleted(**ENVELOPE, object_name="demo/agent-1/1"),
+    RetentionRequested(**ENVELOPE, keep_latest=2, best_metric="val/reward", best_mode="max"),
+    RetentionApplied(**ENVELOPE, kept=[2, 3], deleted=[1], best_step=2),
     PauseInference(**ENVELOPE, lease_id="lease-1", lease_seconds=30.0, requested_by="trainer-0"),
     ResumeInference(**ENVELOPE, lease_id="lease-1", requested_by="trainer-0"),
     PauseAck(

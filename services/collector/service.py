@@ -114,12 +114,31 @@ class Collector:
         if not valid:
             return outcomes
         try:
-            await self._store([item for _, item in valid])
+            valid = await self._store_isolating(valid, outcomes)
             await self._announce(msgs, valid)
         except DependencyUnavailable as exc:
             for i, _ in valid:
                 outcomes[i] = exc
         return outcomes
+
+    async def _store_isolating(self, valid: list[tuple[int, StoredGroup]], outcomes: list) -> list:
+        """Store the batch; if PostgreSQL rejects its content, store each group alone so that
+        only the group it rejects is dead-lettered (with PostgreSQL's reason), not its batch mates."""
+        try:
+            await self._store([item for _, item in valid])
+            return valid
+        except asyncpg.exceptions.DataError:
+            pass
+        stored = []
+        for i, item in valid:
+            try:
+                await self._store([item])
+                stored.append((i, item))
+            except asyncpg.exceptions.DataError as exc:
+                outcomes[i] = InvalidMessage(
+                    "storage", f"PostgreSQL rejected the group: {exc}", original_id=item.id
+                )
+        return stored
 
     async def _store(self, batch: list[StoredGroup]) -> set[str]:
         try:

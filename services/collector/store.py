@@ -11,7 +11,16 @@ import msgspec
 
 from artery.schemas import TrajectoryGroupSubmitted
 
-_encode = msgspec.json.Encoder().encode
+_json = msgspec.json.Encoder()
+
+
+def _encode(value) -> bytes:
+    """JSON for a jsonb column. PostgreSQL's jsonb cannot hold U+0000, which a model can sample
+    (a byte-level token): it is stored as U+FFFD. Only the display text changes; the sampled
+    token ids, which training uses, are kept exactly."""
+    data = _json.encode(value)
+    return data.replace(b"\\u0000", b"\\ufffd") if b"\\u0000" in data else data
+
 
 # One statement for the whole batch: arrays in, the ids that were new out. ON CONFLICT makes a
 # redelivered group a no-op, and RETURNING tells us which trajectories still need writing.

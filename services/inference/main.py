@@ -69,14 +69,6 @@ async def start(common: CommonSettings, stop: asyncio.Event) -> None:
     nc = await connect_service("inference", common)
     js = nc.jetstream()
     cache_dir = Path(settings.adapter_cache_dir or tempfile.mkdtemp(prefix="artery-adapters-"))
-    watcher = CheckpointWatcher(
-        js,
-        settings.project,
-        settings.model,
-        engine,
-        on_loaded=lambda step, name: log.info("serving adapter", step=step, name=name),
-        cache_dir=cache_dir,
-    )
     registry = ReplicaRegistry(
         js,
         gate,
@@ -88,6 +80,12 @@ async def start(common: CommonSettings, stop: asyncio.Event) -> None:
         served=lambda: list(state.served()),
         heartbeat_s=settings.heartbeat_s,
     )
+
+    async def on_loaded(step: int, name: str) -> None:
+        log.info("serving adapter", step=step, name=name)
+        await registry.beat()  # clients waiting for this step read it from the registry now
+
+    watcher = CheckpointWatcher(js, settings.project, settings.model, engine, on_loaded, cache_dir=cache_dir)
     control = ControlServer(
         nc,
         gate,

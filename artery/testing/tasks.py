@@ -1,0 +1,119 @@
+"""Toy RL tasks with character-level rewards, for tests, benchmarks and end-to-end runs.
+
+The tiny random model (``tiny_model.py``) answers nearly uniform tokens from its ~1k vocabulary, so
+a reward must already be met part of the time for GRPO to get a signal, and the tokens that score
+well must not be mostly traps (a token that scores 0.67 on which the policy collapses before it
+finds one that scores 1). Measured with ``Policy`` (LoRA r8 including ``lm_head``, 2 groups x 8
+samples of 8 tokens at temperature 1, lr 1e-2), mean reward at step 0 and whether it passed 0.8
+within 60 steps:
+
+- **half_alphabet** (the one to use on the tiny model): the share of characters that are lowercase
+  a-m. Starts at ~0.40; passed 0.8 by step 20-32 for 10 of 10 seeds (cispo and grpo at 1e-2;
+  29-43 at 5e-3). 78 of the ~1k tokens score >= 0.8.
+- vowels: starts at ~0.30 but only 14 tokens score >= 0.8 and 177 score 0.5-0.8; 2 of 5 seeds
+  collapsed onto "ool" (0.67) for good.
+- a-h only: starts at ~0.28; 7 of 8 seeds passed, one collapsed at 0.75.
+- **digits**: natural for a real instruct model asked for a number, but on the tiny model it starts
+  at ~0.003 (10 single-digit tokens in 1,000): most groups score 0 everywhere, no signal.
+
+An empty answer scores 0, so stopping at once is no way out; a short answer that scores 1 is, and
+that is fine for a toy. The task functions are pure (no model, no I/O). ``sample_trajectories``
+stands in for the inference service in tests and benchmarks: it needs torch and a model, and
+imports them lazily.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from artery.schemas import Trajectory
+
+HALF_ALPHABET = frozenset("abcdefghijklm")
+
+
+def half_alphabet_task_prompt() -> list[dict[str, str]]:
+    """The fixed chat prompt of the half-alphabet task, as OpenAI chat messages."""
+    return [{"role": "user", "content": "Reply using only the letters a to m, for example: bad cafe hide."}]
+
+
+def half_alphabet_reward(text: str) -> float:
+    """Share of the characters that are lowercase letters a-m; 0.0 for empty text."""
+    return sum(c in HALF_ALPHABET for c in text) / len(text) if text else 0.0
+
+
+def digits_task_prompt() -> list[dict[str, str]]:
+    """The fixed chat prompt of the digits task, as OpenAI chat messages."""
+    return [{"role": "user", "content": "Write a long number, digits only."}]
+
+
+def digits_reward(text: str) -> float:
+    """Share of the characters that are decimal digits; 0.0 for empty text."""
+    return sum(c.isdigit() for c in text) / len(text) if text else 0.0
+
+
+def sample_trajectories(
+    model: Any,
+    tokenizer: Any,
+    messages: Sequence[dict[str, str]],
+    reward: Callable[[str], float],
+    *,
+    n: int,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+) -> list[Trajectory]:
+    """``n`` completions of ``messages`` sampled with ``model.generate`` (full softmax at
+    ``temperature``: no top-k, no top-p), as wire trajectories the way the inference service
+    records them: the exact sampled token ids (the stop token included when one was sampled), their
+    logprobs at ``temperature``, and the reward of the decoded text. Draws from torch's global RNG."""
+    import torch
+
+    from artery.schemas import Message, Sample, Trajectory
+
+    prompt = tokenizer.apply_chat_template(
+        list(messages), add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+    device = next(model.parameters()).device
+    prompt = {k: v.to(device) for k, v in prompt.items()}
+    stops = set(_eos_ids(model, tokenizer))
+    with torch.no_grad():
+        out = model.generate(
+            **prompt,
+            do_sample=True,
+            temperature=temperature,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=max_new_tokens,
+            num_return_sequences=n,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    generated = out.sequences[:, prompt["input_ids"].shape[1] :]  # [n, L]
+    logits = torch.stack(out.logits, dim=1).float() / temperature  # [n, L, V] raw logits
+    logprobs = torch.log_softmax(logits, dim=-1).gather(-1, generated.unsqueeze(-1)).squeeze(-1)  # [n, L]
+    trajectories = []
+    for row in range(n):
+        ids = generated[row].tolist()
+        end = next((i + 1 for i, t in enumerate(ids) if t in stops), len(ids))
+        ids, lps = ids[:end], logprobs[row, :end].tolist()
+        stopped = bool(ids) and ids[-1] in stops
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        sample = Sample(token_ids=ids, logprobs=lps, finish_reason="stop" if stopped else "length")
+        trajectories.append(
+            Trajectory(
+                messages=[
+                    *(Message(role=m["role"], content=m["content"]) for m in messages),  # type: ignore[arg-type]
+                    Message(role="assistant", content=text, sample=sample),
+                ],
+                reward=float(reward(text)),
+            )
+        )
+    return trajectories
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    return [eos] if isinstance(eos, int) else list(eos)

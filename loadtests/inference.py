@@ -1,0 +1,653 @@
+"""Inference benchmark: throughput against plain ``generate``, pause latency, adapter hot-load latency.
+
+What runs: a private nats-server and PostgreSQL under a temporary directory and two inference
+replicas (``python -m artery.services.inference``, transformers engine, CPU unless
+``ARTERY_INFERENCE_DEVICE`` says otherwise) for one model, started by ``artery.stack.Stack``.
+
+What is measured:
+
+- throughput: rounds of ``--concurrency`` chat requests sent at once to ONE replica through its
+  HTTP API (httpx, JSON in and out, ``max_tokens``, temperature 1, distinct prompts), next to
+  Hugging Face ``model.generate`` in this process on the same weights: one batched, left-padded
+  call per round with the same prompts (chat template applied), sampling at temperature 1 (no
+  top-k, no top-p) with the same ``max_new_tokens``. Ours includes HTTP, JSON, the API's
+  validation, tokenization, scheduling and per-token logprobs; ``generate`` includes only the
+  forward passes, sampling and its own bookkeeping. Tokens are the sampled ones (up to and
+  including an end-of-sequence token), counted from ``usage`` for ours and from the output for
+  ``generate``. One warm-up round each is not timed.
+- pause: ``pause_replicas`` / ``resume_replicas`` (the trainer's own calls) over both replicas,
+  idle: the call's wall time (reading the live replicas from KV, then the scatter-gather) and the
+  scatter-gather alone (request published until every ack is in). Then pauses sent while a
+  round of requests is decoding on one replica: those wait for the in-flight requests to finish.
+- adapter hot-load: a small LoRA adapter put into the Object Store, then ``checkpoint.published``;
+  the clock runs from the publish until ``/v1/models`` of each replica lists ``<model>@<step>``
+  (polled every 10 ms): fetch, sha256 check, unpack, load into the engine.
+
+Everything shares the machine's cores (this process, both replicas, nats-server); the CPU seconds
+each part used are reported, with what other processes on the machine used meanwhile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import os
+import platform
+import signal
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from artery.schemas import CheckpointPublished, new_event_id
+from artery.shared import bus, subjects
+from artery.shared.adapters import pack_adapter, put_adapter, sha256_hex
+from artery.shared.control_client import live_replicas, pause_replicas, resume_replicas
+from artery.shared.models import TINY, resolve_base_model
+from artery.shared.settings import CommonSettings
+from artery.stack import Stack
+from loadtests import RESULTS_DIR
+from loadtests.ingest import CpuMeter, percentile
+
+PROJECT = "bench"
+MODEL = "infer"
+REPLICAS = ("replica-a", "replica-b")
+POLL_S = 0.01
+STOP_TIMEOUT_S = 3.0
+#: Warn when processes outside the benchmark took more than this share of the machine.
+OTHER_LOAD_WARNING = 0.1
+DEFAULTS = {"rounds": 20, "pause_cycles": 30, "loaded_pauses": 5, "adapter_steps": 5}
+QUICK = {"rounds": 1, "pause_cycles": 5, "loaded_pauses": 1, "adapter_steps": 1}
+
+_TOPICS = "apples rivers numbers trains coffee mountains weather books stars tools music maps".split()
+
+
+@dataclass
+class Config:
+    base_model: str
+    concurrency: int
+    rounds: int
+    max_tokens: int
+    pause_cycles: int
+    loaded_pauses: int
+    adapter_steps: int
+    threads: int | None
+    quick: bool
+    output: Path
+
+
+def prompts(count: int) -> list[list[dict[str, str]]]:
+    """Distinct short chat prompts, the same every run."""
+    return [
+        [
+            {
+                "role": "user",
+                "content": f"Question {i}: tell me about {_TOPICS[i % len(_TOPICS)]} in {i + 3} words.",
+            }
+        ]
+        for i in range(count)
+    ]
+
+
+def summary_ms(seconds: list[float]) -> dict[str, float]:
+    ms = [s * 1000 for s in seconds]
+    return {
+        "n": len(ms),
+        "min": round(min(ms), 2),
+        "p50": round(percentile(ms, 50), 2),
+        "p99": round(percentile(ms, 99), 2),
+        "max": round(max(ms), 2),
+    }
+
+
+# --- throughput -----------------------------------------------------------------------------
+
+
+async def chat_round(client: httpx.AsyncClient, url: str, batch, max_tokens: int) -> tuple[float, int, list]:
+    """Send every prompt at once; (seconds until the last answer, completion tokens, latencies)."""
+
+    async def one(messages) -> tuple[int, float]:
+        started = time.perf_counter()
+        response = await client.post(
+            f"{url}/v1/chat/completions",
+            json={"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 1.0},
+        )
+        response.raise_for_status()
+        return response.json()["usage"]["completion_tokens"], time.perf_counter() - started
+
+    started = time.perf_counter()
+    results = await asyncio.gather(*(one(m) for m in batch))
+    return time.perf_counter() - started, sum(r[0] for r in results), [r[1] for r in results]
+
+
+async def measure_service(url: str, config: Config, meter: CpuMeter) -> dict:
+    batch = prompts(config.concurrency)
+    limits = httpx.Limits(max_connections=config.concurrency, max_keepalive_connections=config.concurrency)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        await chat_round(client, url, batch, config.max_tokens)  # warm-up: connections, first batch
+        before = meter.snapshot()
+        rounds = [await chat_round(client, url, batch, config.max_tokens) for _ in range(config.rounds)]
+        cpu = CpuMeter.delta(before, meter.snapshot())
+    return throughput(rounds, config, cpu) | {
+        "request_latency": summary_ms([lat for r in rounds for lat in r[2]])
+    }
+
+
+def throughput(rounds: list[tuple], config: Config, cpu: dict) -> dict:
+    seconds = sum(r[0] for r in rounds)
+    tokens = sum(r[1] for r in rounds)
+    requests = config.concurrency * len(rounds)
+    return {
+        "rounds": len(rounds),
+        "requests": requests,
+        "completion_tokens": tokens,
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(tokens / seconds, 1),
+        "requests_per_s": round(requests / seconds, 2),
+        "cpu_s": cpu,
+    }
+
+
+async def measure_engine(model_path: str, config: Config, meter: CpuMeter) -> dict:
+    """The replica's engine in this process, without HTTP: every request submitted in one tick."""
+    from artery.services.inference.engine.base import GenerationRequest, SamplingParams
+    from artery.services.inference.engine.transformers_engine import TransformersEngine
+
+    engine = TransformersEngine(model_path)  # the replica's defaults (max_batch_size 16)
+    await engine.start()
+    try:
+        params = SamplingParams(max_tokens=config.max_tokens, temperature=1.0)
+        requests = [
+            GenerationRequest(
+                list(
+                    engine.tokenizer.apply_chat_template(m, add_generation_prompt=True, return_dict=True)[
+                        "input_ids"
+                    ]
+                ),
+                params,
+            )
+            for m in prompts(config.concurrency)
+        ]
+
+        async def one_round() -> tuple[float, int, list]:
+            started = time.perf_counter()
+            results = await asyncio.gather(*(engine.generate(r) for r in requests))
+            return time.perf_counter() - started, sum(len(c[0].token_ids) for c in results), []
+
+        await one_round()  # warm-up
+        stats_before = (engine.stats.batches, engine.stats.forward_passes)
+        before = meter.snapshot()
+        rounds = [await one_round() for _ in range(config.rounds)]
+        cpu = CpuMeter.delta(before, meter.snapshot())
+        batches = engine.stats.batches - stats_before[0]
+        passes = engine.stats.forward_passes - stats_before[1]
+    finally:
+        await engine.close()
+    return throughput(rounds, config, cpu) | {"batches": batches, "forward_passes": passes}
+
+
+class HFBaseline:
+    """The same weights in this process, generating with ``model.generate`` and nothing around it."""
+
+    def __init__(self, model_path: str, threads: int | None):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # "Loading weights" bars on stderr, in this process only
+        if threads:
+            torch.set_num_threads(threads)  # this process: the in-process engine and generate()
+
+        self.torch = torch
+        self.model_path = model_path
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.tokenizer.padding_side = "left"
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        eos = self.model.generation_config.eos_token_id
+        self.eos_ids = {eos} if isinstance(eos, int) else set(eos or [self.tokenizer.eos_token_id])
+        self.pad_id = (
+            self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos_ids)
+        )
+
+    def round(self, batch, max_new_tokens: int) -> tuple[float, int, list]:
+        started = time.perf_counter()
+        inputs = self.tokenizer.apply_chat_template(
+            batch, add_generation_prompt=True, padding=True, return_tensors="pt", return_dict=True
+        )
+        with self.torch.no_grad():
+            out = self.model.generate(
+                **inputs,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=max_new_tokens,
+                pad_token_id=self.pad_id,
+            )
+        elapsed = time.perf_counter() - started
+        tokens = 0
+        for row in out[:, inputs["input_ids"].shape[1] :].tolist():
+            end = next((i + 1 for i, t in enumerate(row) if t in self.eos_ids), len(row))
+            tokens += end
+        return elapsed, tokens, []
+
+    def measure(self, config: Config, meter: CpuMeter) -> dict:
+        batch = prompts(config.concurrency)
+        self.round(batch, config.max_tokens)  # warm-up
+        before = meter.snapshot()
+        rounds = [self.round(batch, config.max_tokens) for _ in range(config.rounds)]
+        cpu = CpuMeter.delta(before, meter.snapshot())
+        return throughput(rounds, config, cpu) | {"torch_threads": self.torch.get_num_threads()}
+
+
+# --- pause / resume -------------------------------------------------------------------------
+
+
+async def measure_pause(nc, config: Config, url: str) -> dict:
+    pause_call, pause_sg, resume_call, resume_sg = [], [], [], []
+    for _ in range(config.pause_cycles):
+        started = time.perf_counter()
+        outcome = await pause_replicas(
+            nc, PROJECT, MODEL, lease_seconds=30, requested_by="bench", timeout_s=10
+        )
+        pause_call.append(time.perf_counter() - started)
+        pause_sg.append(outcome.elapsed_s)
+        if sorted(outcome.acked) != sorted(REPLICAS):
+            raise RuntimeError(f"pause acked by {sorted(outcome.acked)}, expected {REPLICAS}")
+        started = time.perf_counter()
+        resumed = await resume_replicas(nc, PROJECT, MODEL, outcome.lease_id, requested_by="bench")
+        resume_call.append(time.perf_counter() - started)
+        resume_sg.append(resumed.elapsed_s)
+        if resumed.missing or resumed.still_paused:
+            raise RuntimeError(f"resume: missing {resumed.missing}, still paused {resumed.still_paused}")
+
+    # Pauses sent while a round of requests decodes on one replica: the ack waits for them.
+    loaded, drained = [], []
+    async with httpx.AsyncClient(timeout=600) as client:
+        for _ in range(config.loaded_pauses):
+            in_flight = asyncio.create_task(
+                chat_round(client, url, prompts(config.concurrency), config.max_tokens)
+            )
+            await asyncio.sleep(0.1)
+            started = time.perf_counter()
+            outcome = await pause_replicas(
+                nc, PROJECT, MODEL, lease_seconds=60, requested_by="bench", timeout_s=60
+            )
+            loaded.append(time.perf_counter() - started)
+            drained.append(sum(ack.drained_requests for ack in outcome.acked.values()))
+            await resume_replicas(nc, PROJECT, MODEL, outcome.lease_id, requested_by="bench")
+            await in_flight
+    return {
+        "replicas": len(REPLICAS),
+        "cycles": config.pause_cycles,
+        "pause_call": summary_ms(pause_call),
+        "pause_scatter_gather": summary_ms(pause_sg),
+        "resume_call": summary_ms(resume_call),
+        "resume_scatter_gather": summary_ms(resume_sg),
+        "pause_under_load": (
+            summary_ms(loaded) | {"requests_sent": config.concurrency, "requests_drained": drained}
+            if loaded
+            else None
+        ),
+    }
+
+
+# --- adapter hot-load -----------------------------------------------------------------------
+
+
+def make_adapter(model_path: str, dest: Path) -> Path:
+    """A small LoRA (r 8 on q_proj and v_proj), saved as safetensors."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    with warnings.catch_warnings():  # transformers 5 deprecations that PEFT still calls
+        warnings.simplefilter("ignore", FutureWarning)
+        base = AutoModelForCausalLM.from_pretrained(model_path)
+        config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
+        get_peft_model(base, config).save_pretrained(dest, safe_serialization=True)
+    return dest
+
+
+async def served(client: httpx.AsyncClient, url: str, name: str) -> bool:
+    response = await client.get(f"{url}/v1/models")
+    return name in {m["id"] for m in response.json()["data"]}
+
+
+async def measure_adapter_load(js, urls: dict[str, str], config: Config, data: bytes) -> dict:
+    put_s, per_replica, everywhere = [], {r: [] for r in urls}, []
+    sha = sha256_hex(data)
+    async with httpx.AsyncClient(timeout=30) as client:
+        for step in range(1, config.adapter_steps + 1):
+            object_name = f"{PROJECT}/{MODEL}/{step:04d}"
+            started = time.perf_counter()
+            await put_adapter(js, object_name, data)
+            put_s.append(time.perf_counter() - started)
+            name = f"{MODEL}@{step}"
+            event = CheckpointPublished(
+                id=new_event_id(),
+                project=PROJECT,
+                model=MODEL,
+                step=step,
+                object_name=object_name,
+                sha256=sha,
+                size_bytes=len(data),
+                base_model=config.base_model,
+                served_name=name,
+            )
+            published = time.perf_counter()
+            await bus.publish_event(js, subjects.checkpoint("published", PROJECT, MODEL), event)
+            waiting = dict(urls)
+            deadline = published + 120
+            while waiting:
+                for replica, url in list(waiting.items()):
+                    if await served(client, url, name):
+                        per_replica[replica].append(time.perf_counter() - published)
+                        del waiting[replica]
+                if time.perf_counter() > deadline:
+                    raise TimeoutError(f"{name} not served by {sorted(waiting)} within 120 s")
+                await asyncio.sleep(POLL_S)
+            everywhere.append(time.perf_counter() - published)
+    return {
+        "steps": config.adapter_steps,
+        "adapter_bytes": len(data),
+        "poll_interval_ms": POLL_S * 1000,
+        "object_store_put": summary_ms(put_s),
+        "published_to_served": {r: summary_ms(v) for r, v in per_replica.items()},
+        "published_to_served_everywhere": summary_ms(everywhere),
+        # The first adapter costs more: PEFT wraps the base model's layers once.
+        "first_everywhere_ms": round(everywhere[0] * 1000, 2),
+        "later_everywhere": summary_ms(everywhere[1:]) if len(everywhere) > 1 else None,
+    }
+
+
+# --- the run --------------------------------------------------------------------------------
+
+
+def start_replicas(stack: Stack, base_model: str, threads: int | None) -> None:
+    # torch reads OMP_NUM_THREADS once, at start-up; unset, it uses every core.
+    extra = {"OMP_NUM_THREADS": str(threads)} if threads else {}
+    for name in REPLICAS:
+        stack.start_service(
+            name,
+            service="inference",
+            env={
+                "ARTERY_INFERENCE_PROJECT": PROJECT,
+                "ARTERY_INFERENCE_MODEL": MODEL,
+                "ARTERY_INFERENCE_BASE_MODEL": base_model,
+                "ARTERY_INFERENCE_REPLICA_ID": name,
+                "ARTERY_INFERENCE_HEARTBEAT_S": "1",
+                **extra,
+            },
+        )
+
+
+async def replica_urls(nc, timeout_s: float = 30.0) -> dict[str, str]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        live = {r.replica_id: r.url for r in await live_replicas(nc.jetstream(), PROJECT, MODEL)}
+        if set(REPLICAS) <= live.keys():
+            return {name: live[name] for name in REPLICAS}
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"replicas registered: {sorted(live)}; expected {REPLICAS}")
+        await asyncio.sleep(0.1)
+
+
+async def run(config: Config, stack: Stack, baseline: HFBaseline, adapter: bytes) -> dict:
+    load_before = round(os.getloadavg()[0], 2)
+    nc = await bus.connect(CommonSettings(nats_url=stack.nats_url), name="bench-inference")
+    try:
+        await bus.provision(nc.jetstream(), CommonSettings(nats_url=stack.nats_url))
+        urls = await replica_urls(nc)
+        meter = CpuMeter(stack)
+        ours = await measure_service(urls[REPLICAS[0]], config, meter)
+        engine = await measure_engine(baseline.model_path, config, meter)
+        hf = baseline.measure(config, meter)
+        pause = await measure_pause(nc, config, urls[REPLICAS[0]])
+        adapters = await measure_adapter_load(nc.jetstream(), urls, config, adapter)
+    finally:
+        await bus.close(nc)
+    return {
+        "benchmark": "inference",
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "machine": {
+            "cpu_count": os.cpu_count(),
+            "load_average_1m_before": load_before,
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "device": os.environ.get("ARTERY_INFERENCE_DEVICE", "cpu"),
+            "torch_threads": config.threads or "default (every core)",
+        },
+        "config": {
+            "base_model": config.base_model,
+            "concurrency": config.concurrency,
+            "rounds": config.rounds,
+            "max_tokens": config.max_tokens,
+            "temperature": 1.0,
+            "quick": config.quick,
+        },
+        "throughput": {
+            "artery_http": ours,
+            "engine_in_process": engine,
+            "hf_generate": hf,
+            "ratio_tokens_per_s": round(ours["tokens_per_s"] / hf["tokens_per_s"], 3),
+            "ratio_engine_tokens_per_s": round(engine["tokens_per_s"] / hf["tokens_per_s"], 3),
+        },
+        "pause": pause,
+        "adapter_load": adapters,
+    }
+
+
+def table(rows: list[tuple[str, ...]], right: set[int]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return [
+        "  ".join(v.rjust(widths[i]) if i in right else v.ljust(widths[i]) for i, v in enumerate(r)).rstrip()
+        for r in rows
+    ]
+
+
+def _ms(s: dict) -> tuple[str, str, str]:
+    return f"{s['p50']:,.1f}", f"{s['p99']:,.1f}", f"{s['max']:,.1f}"
+
+
+def _load_warning(cpu: dict, seconds: float, cores: int | None, threads: object) -> list[str]:
+    other = cpu.get("other", 0.0)
+    share = other / ((cores or 1) * seconds) if seconds else 0.0
+    if share <= OTHER_LOAD_WARNING or other < 0.5:
+        return []
+    return [
+        f"WARNING: other processes used {other:.1f} CPU-s ({share:.0%} of the machine) during the artery "
+        "rounds: the figures are lower than this machine can do"
+        + (
+            "; torch threads that wait on each other slow down badly when a core is taken (try --threads 1)."
+            if threads != 1
+            else "."
+        ),
+    ]
+
+
+def render(result: dict) -> str:
+    c, m, t, p, a = (result[k] for k in ("config", "machine", "throughput", "pause", "adapter_load"))
+    ours, eng, hf = t["artery_http"], t["engine_in_process"], t["hf_generate"]
+    rows = [
+        ("throughput", "tokens/s", "requests/s", "tokens", "seconds", "what it includes"),
+        (
+            "artery, 1 replica, HTTP",
+            f"{ours['tokens_per_s']:,.0f}",
+            f"{ours['requests_per_s']:,.1f}",
+            f"{ours['completion_tokens']:,}",
+            f"{ours['seconds']:.2f}",
+            "HTTP + JSON, chat template, scheduler, decode, token ids",
+        ),
+        (
+            "engine in-process",
+            f"{eng['tokens_per_s']:,.0f}",
+            f"{eng['requests_per_s']:,.1f}",
+            f"{eng['completion_tokens']:,}",
+            f"{eng['seconds']:.2f}",
+            f"same engine, no HTTP: {eng['batches']} batches, {eng['forward_passes']} forward passes",
+        ),
+        (
+            "HF model.generate",
+            f"{hf['tokens_per_s']:,.0f}",
+            f"{hf['requests_per_s']:,.1f}",
+            f"{hf['completion_tokens']:,}",
+            f"{hf['seconds']:.2f}",
+            f"one batched call a round, in-process, {hf['torch_threads']} torch threads",
+        ),
+        ("artery HTTP / generate", f"{t['ratio_tokens_per_s']:.2f}", "", "", "", "tokens/s"),
+        ("engine / generate", f"{t['ratio_engine_tokens_per_s']:.2f}", "", "", "", "tokens/s"),
+    ]
+    lat = ours["request_latency"]
+    latency = [
+        ("latency (ms)", "p50", "p99", "max", "note"),
+        (
+            "request, artery HTTP",
+            *_ms(lat),
+            f"{c['concurrency']} at once, {c['max_tokens']} tokens; fastest {lat['min']:,.1f} ms",
+        ),
+        (
+            "pause_replicas call",
+            *_ms(p["pause_call"]),
+            f"{p['replicas']} idle replicas, {p['cycles']} cycles",
+        ),
+        ("  scatter-gather", *_ms(p["pause_scatter_gather"]), "request published -> every ack in"),
+        ("resume_replicas call", *_ms(p["resume_call"]), ""),
+        ("  scatter-gather", *_ms(p["resume_scatter_gather"]), ""),
+    ]
+    if p["pause_under_load"]:
+        latency.append(
+            (
+                "pause, requests in flight",
+                *_ms(p["pause_under_load"]),
+                f"{p['pause_under_load']['n']} pauses while {c['concurrency']} requests decode",
+            )
+        )
+    latency.append(("adapter object put", *_ms(a["object_store_put"]), f"{a['adapter_bytes']:,} B archive"))
+    for replica, s in a["published_to_served"].items():
+        latency.append(
+            (f"published -> served {replica}", *_ms(s), f"{a['steps']} steps, /v1/models every 10 ms")
+        )
+    latency.append(
+        (
+            "published -> served, both",
+            *_ms(a["published_to_served_everywhere"]),
+            f"first adapter {a['first_everywhere_ms']:,.1f} ms (PEFT wraps the model once)",
+        )
+    )
+    if a["later_everywhere"]:
+        latency.append(("  after the first", *_ms(a["later_everywhere"]), ""))
+    cpu = ours["cpu_s"]
+    return "\n".join(
+        [
+            f"inference: {c['base_model']}, {c['concurrency']} concurrent requests x {c['rounds']} rounds, "
+            f"max_tokens {c['max_tokens']}, temperature 1"
+            + ("  [--quick: a smoke test, not a measurement]" if c["quick"] else ""),
+            f"machine: {m['cpu_count']} CPUs (load {m['load_average_1m_before']} before), "
+            f"Python {m['python']}, device {m['device']}, torch threads {m['torch_threads']}",
+            "",
+            *table(rows, right={1, 2, 3, 4}),
+            "",
+            "CPU seconds during the artery rounds: " + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items()),
+            *_load_warning(cpu, ours["seconds"], m["cpu_count"], m["torch_threads"]),
+            "",
+            *table(latency, right={1, 2, 3}),
+        ]
+    )
+
+
+def parse_args(argv: list[str]) -> Config:
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtests inference", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--base-model", default=TINY, help=f"weights: a directory or {TINY} (default)")
+    parser.add_argument("--concurrency", type=int, default=16, help="requests sent at once (and batch size)")
+    parser.add_argument("--rounds", type=int, help=f"timed rounds (default {DEFAULTS['rounds']})")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--pause-cycles", type=int, help=f"default {DEFAULTS['pause_cycles']}")
+    parser.add_argument("--loaded-pauses", type=int, help=f"default {DEFAULTS['loaded_pauses']}")
+    parser.add_argument("--adapter-steps", type=int, help=f"default {DEFAULTS['adapter_steps']}")
+    parser.add_argument(
+        "--threads", type=int, help="torch threads of the replicas and of this process (default: torch's)"
+    )
+    parser.add_argument("--quick", action="store_true", help="a tiny run: a smoke test")
+    parser.add_argument(
+        "--output", type=Path, default=RESULTS_DIR / "inference.json", help="JSON result file"
+    )
+    args = parser.parse_args(argv)
+    picked = {
+        k: getattr(args, k) if getattr(args, k) is not None else (QUICK if args.quick else DEFAULTS)[k]
+        for k in DEFAULTS
+    }
+    if (
+        min(
+            args.concurrency,
+            args.max_tokens,
+            picked["rounds"],
+            picked["pause_cycles"],
+            picked["adapter_steps"],
+        )
+        < 1
+    ):
+        parser.error(
+            "--concurrency, --max-tokens, --rounds, --pause-cycles and --adapter-steps must be positive"
+        )
+    if picked["loaded_pauses"] < 0:
+        parser.error("--loaded-pauses must be >= 0")
+    return Config(
+        base_model=args.base_model,
+        concurrency=args.concurrency,
+        max_tokens=args.max_tokens,
+        threads=args.threads,
+        quick=args.quick,
+        output=args.output,
+        **picked,
+    )
+
+
+def stop_all(stack: Stack) -> None:
+    """SIGTERM to every replica at once, then wait (each drains on its own), then the servers."""
+    for process in stack.processes.values():
+        process.signal(signal.SIGTERM)
+    for process in stack.processes.values():
+        process.stop(timeout=STOP_TIMEOUT_S)
+    stack.stop()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    config = parse_args(list(sys.argv[1:] if argv is None else argv))
+    with tempfile.TemporaryDirectory(prefix="artery-bench-") as home:
+        stack = Stack(home=Path(home), services=())
+        try:
+            stack.start_infrastructure()
+            start_replicas(stack, config.base_model, config.threads)
+            # While the replicas load: the baseline model and the adapter, in this process.
+            model_path = resolve_base_model(config.base_model)
+            baseline = HFBaseline(model_path, config.threads)
+            adapter = pack_adapter(make_adapter(model_path, Path(home) / "adapter"))
+            for name in REPLICAS:
+                stack.processes[name].wait_ready(180)
+            result = asyncio.run(run(config, stack, baseline, adapter))
+        except BaseException:
+            for name in REPLICAS:
+                log = stack.logs / f"{name}.log"
+                if log.exists():
+                    tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+                    print(f"{name} log (last lines):\n{tail}", file=sys.stderr)
+            raise
+        finally:
+            stop_all(stack)
+    print(render(result), flush=True)
+    config.output.parent.mkdir(parents=True, exist_ok=True)
+    config.output.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\nwritten to {config.output}", flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()

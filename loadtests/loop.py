@@ -1,0 +1,332 @@
+"""Training-loop benchmark: where the time of one rollout-and-train iteration goes.
+
+What runs: ``artery.LocalBackend`` under a temporary directory — nats-server, PostgreSQL, the
+collector, publisher and trainer, and one inference replica, all real child processes — and the
+SDK in this process, exactly as a user's script runs them. The task is the half-alphabet task of
+``artery.testing.tasks`` (the one its docstring recommends for the tiny random model).
+
+One iteration: ``--groups`` groups of ``--group-size`` rollouts through the OpenAI client of the
+model (concurrently, ``max_tokens`` 8, temperature 1, logprobs), then ``model.train()``, which
+returns once the replica serves the new step. The time is split into:
+
+- generation: the rollouts, until the last answer is in;
+- publish groups: ``Backend.publish`` (the model's step read from KV, the groups published to
+  JetStream and acked);
+- request + group wait: the rest until ``train.completed`` arrives here, less the trainer's own
+  ``step_total_s``: the request through JetStream, the trainer waiting until the collector has
+  stored the groups (it polls PostgreSQL every 100 ms), and the completion coming back;
+- pause / training / save: the trainer's ``pause_s`` (pausing every replica, after loading the
+  policy on its first step), ``step_time_s`` (the GRPO step) and ``save_s`` (adapter and
+  optimizer state written);
+- trainer other: the rest of ``step_total_s`` (the adapter packed and ``checkpoint.saved``
+  published, the step recorded in PostgreSQL, the registry advanced);
+- until served: ``train.completed`` received until ``model.train()`` returns: the publisher's
+  Object Store upload and ``checkpoint.published``, the replica's fetch and load, its heartbeat,
+  and the SDK's 50 ms poll of the registry.
+
+"Rest" is what the brief of this benchmark asks for: ``model.train()`` less the three parts the
+trainer reports (pause, training, save). ``--warmup`` iterations run first and are not counted
+(the trainer loads the policy, the replica warms up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import os
+import platform
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import nats
+
+import artery as art
+from artery.shared import subjects
+from artery.shared.models import TINY
+from artery.testing.tasks import half_alphabet_reward, half_alphabet_task_prompt
+from loadtests import RESULTS_DIR
+from loadtests.inference import table
+
+PROJECT = "bench"
+MODEL = "loop"
+MAX_TOKENS = 8
+DEFAULT_ITERATIONS, QUICK_ITERATIONS = 8, 2
+#: Parts of an iteration, in order; they add up to the iteration's wall time.
+PARTS = (
+    "generation",
+    "publish_groups",
+    "request_and_group_wait",
+    "pause",
+    "training",
+    "save",
+    "trainer_other",
+    "until_served",
+)
+TRAINER_PARTS = ("pause", "training", "save")
+
+
+@dataclass
+class Config:
+    base_model: str
+    iterations: int
+    warmup: int
+    groups: int
+    group_size: int
+    learning_rate: float
+    quick: bool
+    output: Path
+
+
+class TimedBackend(art.LocalBackend):
+    """A ``LocalBackend`` that notes when the groups of a ``train()`` call were published."""
+
+    publish_s = 0.0
+    published_at = 0.0
+
+    async def publish(self, model, groups, *, split: str = "train") -> list[str]:
+        started = time.perf_counter()
+        ids = await super().publish(model, groups, split=split)
+        self.published_at = time.perf_counter()
+        self.publish_s = self.published_at - started
+        return ids
+
+
+class CompletionClock:
+    """When each ``train.completed`` of the model reached this process (its own connection)."""
+
+    def __init__(self) -> None:
+        self.arrivals: list[float] = []
+        self._nc: nats.NATS | None = None
+
+    async def start(self, nats_url: str) -> None:
+        self._nc = await nats.connect(nats_url, name="bench-loop-clock")
+        await self._nc.subscribe(subjects.train("completed", PROJECT, MODEL), cb=self._on_completed)
+        await self._nc.flush()
+
+    async def _on_completed(self, msg) -> None:
+        self.arrivals.append(time.perf_counter())
+
+    async def close(self) -> None:
+        if self._nc is not None:
+            await self._nc.close()
+
+
+async def rollout(model: art.TrainableModel) -> art.Trajectory:
+    messages = half_alphabet_task_prompt()
+    response = await model.openai_client().chat.completions.create(
+        model=model.get_inference_name(),
+        messages=messages,
+        max_tokens=MAX_TOKENS,
+        temperature=1.0,
+        logprobs=True,
+    )
+    choice = response.choices[0]
+    return art.Trajectory(
+        messages_and_choices=[*messages, choice], reward=half_alphabet_reward(choice.message.content or "")
+    )
+
+
+async def generate(model: art.TrainableModel, config: Config) -> list[art.TrajectoryGroup]:
+    async def group() -> art.TrajectoryGroup:
+        return art.TrajectoryGroup(await asyncio.gather(*(rollout(model) for _ in range(config.group_size))))
+
+    return list(await asyncio.gather(*(group() for _ in range(config.groups))))
+
+
+async def iteration(
+    model: art.TrainableModel, backend: TimedBackend, clock: CompletionClock, config: Config
+) -> dict[str, float]:
+    started = time.perf_counter()
+    groups = await generate(model, config)
+    generated = time.perf_counter()
+    arrivals = len(clock.arrivals)
+    result = await model.train(
+        groups, config=art.TrainConfig(learning_rate=config.learning_rate, loss_fn="cispo")
+    )
+    finished = time.perf_counter()
+    # The clock's subscription may deliver a moment after the SDK's own: wait for it.
+    for _ in range(200):
+        if len(clock.arrivals) > arrivals:
+            break
+        await asyncio.sleep(0.005)
+    completed_at = clock.arrivals[arrivals] if len(clock.arrivals) > arrivals else finished
+    m = result.metrics
+    step_total = m["step_total_s"]
+    parts = {
+        "generation": generated - started,
+        "publish_groups": backend.publish_s,
+        "request_and_group_wait": completed_at - backend.published_at - step_total,
+        "pause": m["pause_s"],
+        "training": m["step_time_s"],
+        "save": m["save_s"],
+        "trainer_other": step_total - m["pause_s"] - m["step_time_s"] - m["save_s"],
+        "until_served": finished - completed_at,
+    }
+    rewards = [t.reward for g in groups for t in g]
+    return {
+        **parts,
+        "train_call": finished - generated,
+        "rest": (finished - generated) - sum(parts[p] for p in TRAINER_PARTS),
+        "total": finished - started,
+        "step": float(result.step),
+        "reward_mean": statistics.fmean(rewards),
+        "trained": m.get("trained", 1.0),
+    }
+
+
+async def run(config: Config, home: Path) -> dict:
+    load_before = round(os.getloadavg()[0], 2)
+    backend = TimedBackend(path=home / "artery")
+    model = art.TrainableModel(
+        name=MODEL, project=PROJECT, base_model=config.base_model, base_path=str(home / "artery")
+    )
+    clock = CompletionClock()
+    try:
+        started = time.perf_counter()
+        await model.register(backend)  # starts the stack and the model's replica
+        startup_s = time.perf_counter() - started
+        await clock.start(backend.stack.nats_url)
+        for _ in range(config.warmup):
+            await iteration(model, backend, clock, config)
+        measured = [await iteration(model, backend, clock, config) for _ in range(config.iterations)]
+    except BaseException:
+        for name, process in backend.stack.processes.items():
+            tail = "\n".join(process.log_path.read_text(errors="replace").splitlines()[-10:])
+            print(f"{name} log (last lines):\n{tail}", file=sys.stderr)
+        raise
+    finally:
+        await clock.close()
+        for process in backend.stack.processes.values():
+            process.signal(signal.SIGTERM)  # every service drains at once, not one after the other
+        await backend.close()
+        await asyncio.to_thread(backend.stack.stop)  # also after a start that failed half-way
+    means = {k: statistics.fmean(it[k] for it in measured) for k in (*PARTS, "train_call", "rest", "total")}
+    return {
+        "benchmark": "loop",
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "machine": {
+            "cpu_count": os.cpu_count(),
+            "load_average_1m_before": load_before,
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+        },
+        "config": {
+            "base_model": config.base_model,
+            "iterations": config.iterations,
+            "warmup_iterations": config.warmup,
+            "groups": config.groups,
+            "group_size": config.group_size,
+            "max_tokens": MAX_TOKENS,
+            "learning_rate": config.learning_rate,
+            "loss_fn": "cispo",
+            "task": "half_alphabet",
+            "quick": config.quick,
+        },
+        "startup_s": round(startup_s, 3),
+        "mean_s": {k: round(v, 4) for k, v in means.items()},
+        "share": {k: round(means[k] / means["total"], 4) for k in (*PARTS, "rest")},
+        "iterations": [{k: round(v, 4) for k, v in it.items()} for it in measured],
+    }
+
+
+def render(result: dict) -> str:
+    c, mean, share = result["config"], result["mean_s"], result["share"]
+    its = result["iterations"]
+    labels = {
+        "generation": "generation (rollouts)",
+        "publish_groups": "publish groups",
+        "request_and_group_wait": "request + group wait",
+        "pause": "pause (trainer pause_s)",
+        "training": "training (step_time_s)",
+        "save": "save (save_s)",
+        "trainer_other": "trainer other",
+        "until_served": "until served",
+    }
+    rows = [("part", "mean ms", "share", "min ms", "max ms")]
+    for part in PARTS:
+        values = [it[part] * 1000 for it in its]
+        rows.append(
+            (
+                labels[part],
+                f"{mean[part] * 1000:,.1f}",
+                f"{share[part]:.1%}",
+                f"{min(values):,.1f}",
+                f"{max(values):,.1f}",
+            )
+        )
+    rows += [
+        ("iteration", f"{mean['total'] * 1000:,.1f}", "100.0%", "", ""),
+        (
+            "  model.train()",
+            f"{mean['train_call'] * 1000:,.1f}",
+            f"{mean['train_call'] / mean['total']:.1%}",
+            "",
+            "",
+        ),
+        ("  rest: train() - pause/train/save", f"{mean['rest'] * 1000:,.1f}", f"{share['rest']:.1%}", "", ""),
+    ]
+    rewards = ", ".join(f"{it['reward_mean']:.2f}" for it in its)
+    return "\n".join(
+        [
+            f"loop: {c['iterations']} iterations (+{c['warmup_iterations']} warm-up) of "
+            f"{c['groups']} groups x {c['group_size']} rollouts, max_tokens {c['max_tokens']}, "
+            f"{c['base_model']}, task {c['task']}, lr {c['learning_rate']}"
+            + ("  [--quick: a smoke test, not a measurement]" if c["quick"] else ""),
+            f"machine: {result['machine']['cpu_count']} CPUs "
+            f"(load {result['machine']['load_average_1m_before']} before); "
+            f"stack + replica started in {result['startup_s']:.1f} s",
+            "",
+            *table(rows, right={1, 2, 3, 4}),
+            "",
+            f"mean reward per iteration: {rewards}",
+        ]
+    )
+
+
+def parse_args(argv: list[str]) -> Config:
+    parser = argparse.ArgumentParser(prog="python -m loadtests loop", description=__doc__.splitlines()[0])
+    parser.add_argument("--base-model", default=TINY, help=f"weights: a directory or {TINY} (default)")
+    parser.add_argument("--iterations", type=int, help=f"measured iterations (default {DEFAULT_ITERATIONS})")
+    parser.add_argument("--warmup", type=int, help="iterations run first, not counted (default 1, quick 0)")
+    parser.add_argument("--groups", type=int, default=2, help="groups an iteration")
+    parser.add_argument("--group-size", type=int, default=8, help="rollouts a group")
+    parser.add_argument("--learning-rate", type=float, default=1e-2)
+    parser.add_argument("--quick", action="store_true", help=f"{QUICK_ITERATIONS} iterations: a smoke test")
+    parser.add_argument("--output", type=Path, default=RESULTS_DIR / "loop.json", help="JSON result file")
+    args = parser.parse_args(argv)
+    iterations = args.iterations or (QUICK_ITERATIONS if args.quick else DEFAULT_ITERATIONS)
+    warmup = args.warmup if args.warmup is not None else (0 if args.quick else 1)
+    if min(iterations, args.groups, args.group_size) < 1 or warmup < 0:
+        parser.error("--iterations, --groups and --group-size must be positive, --warmup >= 0")
+    return Config(
+        base_model=args.base_model,
+        iterations=iterations,
+        warmup=warmup,
+        groups=args.groups,
+        group_size=args.group_size,
+        learning_rate=args.learning_rate,
+        quick=args.quick,
+        output=args.output,
+    )
+
+
+def main(argv: list[str] | None = None) -> dict:
+    config = parse_args(list(sys.argv[1:] if argv is None else argv))
+    with tempfile.TemporaryDirectory(prefix="artery-bench-") as home:
+        result = asyncio.run(run(config, Path(home)))
+    print(render(result), flush=True)
+    config.output.parent.mkdir(parents=True, exist_ok=True)
+    config.output.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\nwritten to {config.output}", flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()

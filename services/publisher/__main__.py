@@ -1,0 +1,3 @@
+from artery.services.publisher.main import main
+
+main()

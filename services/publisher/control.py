@@ -1,0 +1,135 @@
+"""Retention on demand: ``RetentionRequested`` in (NATS request/reply), ``RetentionApplied`` out.
+
+This is what the SDK's ``model.delete_checkpoints()`` sends. Publisher replicas subscribe in one
+queue group, so each request is answered once. Retention itself is the same code the consumer
+runs after each publish (``Publisher.apply_retention``), serialised per model by an advisory
+lock, so a request racing a publish cannot delete the step being published.
+
+Bad input never takes the service down: it is answered with ``error`` set (so the caller fails
+at once instead of timing out) and recorded as a ``DeadLetter`` on ``artery.dlq.publisher``. An
+outage (PostgreSQL, the Object Store) is answered with ``error`` too, and not dead-lettered: the
+caller may simply ask again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import re
+import uuid
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from artery.schemas import DeadLetter, RetentionApplied, RetentionRequested
+from artery.schemas.base import NAME_PATTERN
+from artery.schemas.deadletter import UNKNOWN
+from artery.services.publisher.retention import RetentionPolicy
+from artery.services.publisher.service import SERVICE, Publisher
+from artery.shared import subjects
+from artery.shared.bus import CONTENT_TYPE, MSG_ID, event_headers, publish_event
+from artery.shared.codec import EventDecoder, encode
+from artery.shared.errors import DependencyUnavailable, InvalidMessage
+from artery.shared.logs import get_logger
+
+log = get_logger(__name__)
+
+_APPLIED_NAMESPACE = uuid.UUID("3e0b9d27-1f4c-4a8e-b6d2-72657461696e")
+_DLQ_NAMESPACE = uuid.UUID("3e0b9d27-1f4c-4a8e-b6d2-646c71726574")
+_DLQ_PAYLOAD_BYTES = 16 * 1024
+_NAME = re.compile(NAME_PATTERN)
+_decoder = EventDecoder(RetentionRequested)
+
+
+class RetentionServer:
+    def __init__(self, nc: NATS, publisher: Publisher):
+        self.nc = nc
+        self.publisher = publisher
+        self._sub: Subscription | None = None
+
+    async def start(self) -> None:
+        self._sub = await self.nc.subscribe(
+            subjects.retention_request("*", "*"), queue=SERVICE, cb=self._on_request
+        )
+        await self.nc.flush()  # subscribed at the server before anyone is told we are ready
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+            self._sub = None
+
+    async def _on_request(self, msg: Msg) -> None:
+        digest = hashlib.sha256(msg.subject.encode() + b"\0" + msg.data).hexdigest()
+        project, model = _names(msg.subject)
+        reply = RetentionApplied(id=str(uuid.uuid5(_APPLIED_NAMESPACE, digest)), project=project, model=model)
+        try:
+            request = _decoder.decode(msg.data, (msg.headers or {}).get(CONTENT_TYPE))
+            if msg.subject != subjects.retention_request(request.project, request.model):
+                raise InvalidMessage(
+                    "subject_mismatch", f"{request.project}/{request.model} requested on {msg.subject}"
+                )
+            policy = RetentionPolicy(
+                keep_latest=request.keep_latest, best_metric=request.best_metric, best_mode=request.best_mode
+            )
+            plan = await self.publisher.apply_retention(
+                request.project, request.model, policy, reason="requested"
+            )
+            reply = RetentionApplied(
+                id=str(uuid.uuid5(_APPLIED_NAMESPACE, request.id)),
+                project=request.project,
+                model=request.model,
+                step=plan.keep[-1] if plan.keep else None,
+                kept=list(plan.keep),
+                deleted=list(plan.delete),
+                best_step=plan.best,
+            )
+        except InvalidMessage as exc:
+            await self._dead_letter(msg, exc, digest, project, model)
+            reply.error = f"{exc.kind}: {exc.reason}"
+        except DependencyUnavailable as exc:
+            log.warning("retention request failed; dependency unavailable", error=str(exc))
+            reply.error = f"unavailable: {exc}"
+        except Exception as exc:  # a bug: answer, never take the service down
+            log.exception("retention request failed")
+            reply.error = f"internal: {exc!r}"
+        if msg.reply:
+            try:
+                await self.nc.publish(msg.reply, encode(reply), headers=event_headers(reply))
+            except Exception as exc:  # the caller times out; nothing more to do
+                log.warning("retention reply failed", error=repr(exc))
+
+    async def _dead_letter(
+        self, msg: Msg, error: InvalidMessage, digest: str, project: str, model: str
+    ) -> None:
+        headers = dict(msg.headers or {})
+        letter = DeadLetter(
+            id=str(uuid.uuid5(_DLQ_NAMESPACE, digest)),
+            project=project,
+            model=model,
+            service=SERVICE,
+            reason=error.reason,
+            kind=error.kind,
+            subject=msg.subject,
+            original_id=headers.get(MSG_ID),
+            headers={k: v[:1024] for k, v in list(headers.items())[:32]},
+            content_type=headers.get(CONTENT_TYPE),
+            payload=msg.data[:_DLQ_PAYLOAD_BYTES],
+            payload_truncated=len(msg.data) > _DLQ_PAYLOAD_BYTES,
+        )
+        log.warning("retention request rejected", kind=error.kind, reason=error.reason[:300])
+        try:
+            await publish_event(self.publisher.js, subjects.dead_letter(SERVICE), letter)
+        except Exception as exc:
+            log.warning("dead letter publish failed", error=repr(exc))
+
+
+def _names(subject: str) -> tuple[str, str]:
+    """(project, model) from a retention subject, or UNKNOWN where a token is not a valid name."""
+    pattern = subjects.retention_request("*", "*").split(".")
+    parts = subject.split(".")
+    if len(parts) != len(pattern):
+        return UNKNOWN, UNKNOWN
+    project, model = (parts[i] for i, token in enumerate(pattern) if token == "*")
+    return (project if _NAME.match(project) else UNKNOWN, model if _NAME.match(model) else UNKNOWN)

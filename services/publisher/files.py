@@ -1,0 +1,82 @@
+"""Reading the adapter archive the trainer wrote, and checking it is what was announced.
+
+No NATS, no database: only the filesystem the trainer and the publisher share. A message that
+can never succeed (a URI that is not ``file://``, a file that is not there, bytes that are not
+the announced sha256, an archive a replica would refuse) raises ``InvalidMessage``; a file that
+exists but cannot be read now (permissions, an I/O error on a network volume) raises
+``DependencyUnavailable`` and is retried.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import stat
+import tarfile
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+from artery.shared.adapters import MAX_ADAPTER_BYTES, AdapterError, check_member_name, sha256_hex
+from artery.shared.errors import DependencyUnavailable, InvalidMessage
+
+_MISSING = {errno.ENOENT, errno.ENOTDIR}
+
+
+def adapter_path(uri: str) -> Path:
+    """The local path of a ``file:///abs/path`` URI (``file://localhost/...`` too)."""
+    parts = urlsplit(uri)
+    if parts.scheme != "file":
+        raise InvalidMessage("uri", f"only file:// URIs are accepted, not {uri[:200]!r}")
+    if parts.netloc not in ("", "localhost"):
+        raise InvalidMessage(
+            "uri", f"{uri[:200]!r} names host {parts.netloc!r}; the publisher reads its own filesystem"
+        )
+    if parts.query or parts.fragment:
+        raise InvalidMessage("uri", f"{uri[:200]!r}: a file URI has no query or fragment")
+    path = Path(unquote(parts.path))
+    if not path.is_absolute():
+        raise InvalidMessage("uri", f"{uri[:200]!r}: the path must be absolute")
+    return path
+
+
+def read_adapter(path: Path, sha256: str, size_bytes: int) -> bytes:
+    """The file's bytes, verified against the announced sha256 and size (blocking: run in a thread)."""
+    try:
+        info = path.stat()
+        if not stat.S_ISREG(info.st_mode):
+            raise InvalidMessage("not_a_file", f"{path} is not a regular file")
+        if info.st_size > MAX_ADAPTER_BYTES:
+            raise InvalidMessage("too_large", f"{path} is {info.st_size} bytes, over {MAX_ADAPTER_BYTES}")
+        data = path.read_bytes()
+    except OSError as exc:
+        if exc.errno in _MISSING:
+            raise InvalidMessage("not_found", f"adapter file not found: {path}") from exc
+        raise DependencyUnavailable(f"adapter file {path} unreadable: {exc!r}") from exc
+    actual = sha256_hex(data)
+    if actual != sha256:
+        raise InvalidMessage(
+            "sha256_mismatch",
+            f"{path}: sha256 is {actual} ({len(data)} bytes), announced {sha256} ({size_bytes} bytes)",
+        )
+    if len(data) != size_bytes:
+        raise InvalidMessage("size_mismatch", f"{path} is {len(data)} bytes, announced {size_bytes}")
+    check_archive(data)
+    return data
+
+
+def check_archive(data: bytes) -> None:
+    """Refuse what every replica's ``unpack_adapter`` would refuse, before it is published."""
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
+            names = []
+            for member in tar.getmembers():
+                if not member.isreg():
+                    raise AdapterError(f"{member.name!r}: only regular files may be in an adapter")
+                check_member_name(member.name)
+                names.append(member.name)
+    except (tarfile.TarError, AdapterError) as exc:
+        raise InvalidMessage("adapter", f"not a valid adapter archive: {exc}") from exc
+    if len(set(names)) != len(names):
+        raise InvalidMessage("adapter", "a file appears twice in the archive")
+    if "adapter_config.json" not in names:
+        raise InvalidMessage("adapter", "the archive has no adapter_config.json")

@@ -1,0 +1,306 @@
+"""The checkpoint publisher: ``checkpoint.saved`` in, adapter into the Object Store, row into
+PostgreSQL, ``checkpoint.published`` out, then retention.
+
+The trainer and the publisher share a filesystem (the same machine, or a volume mounted on both):
+the trainer writes ``shared.adapters.pack_adapter(adapter_dir)`` to a file and announces it as
+``file:///abs/path/to/adapter.tar`` with the sha256 of exactly those bytes. Only ``file://``
+URIs are accepted; the publisher's copy in the Object Store is what replicas on other machines
+fetch, so the trainer may remove its file once ``checkpoint.published`` arrives.
+
+Order makes every step safe to repeat, so a redelivery (or a crash anywhere) changes nothing:
+1. look the event up in PostgreSQL: a row means the adapter is already stored, so the file is
+   not read again (the trainer may have removed it, or retention the object);
+2. read and verify the file, put it under ``<project>/<model>/<step:06d>`` (skipped when an
+   object with that digest is there), insert the row (ON CONFLICT DO NOTHING);
+3. publish ``checkpoint.published`` (id derived from the saved event id, so JetStream drops a
+   repeat) unless the row says it went out, then record that it did;
+4. apply retention: under a per-model advisory lock, for each step to delete, delete the object
+   (already gone is fine), publish ``checkpoint.deleted`` (id derived from that step's saved
+   event id), then set ``deleted_at``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import uuid
+from collections.abc import AsyncIterator, Sequence
+
+import asyncpg
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js.errors import NotFoundError
+from opentelemetry import trace
+
+from artery.schemas import CheckpointDeleted, CheckpointPublished, CheckpointSaved, Event
+from artery.services.publisher import files, store
+from artery.services.publisher.retention import Checkpoint, RetentionPlan, RetentionPolicy, plan_retention
+from artery.services.publisher.settings import PublisherSettings
+from artery.services.publisher.store import CheckpointRow
+from artery.shared import subjects
+from artery.shared.adapters import put_adapter
+from artery.shared.bus import CONTENT_TYPE, publish_event
+from artery.shared.codec import EventDecoder
+from artery.shared.consumer import ConsumerOptions, DurableConsumer
+from artery.shared.db import create_pool
+from artery.shared.errors import DependencyUnavailable, InvalidMessage
+from artery.shared.logs import get_logger
+from artery.shared.tracing import extract, tracer
+
+log = get_logger(__name__)
+SERVICE = "publisher"
+_PUBLISHED_NAMESPACE = uuid.UUID("8a4f2c1e-7b3d-4f6a-9e5c-7075626c6973")
+_DELETED_NAMESPACE = uuid.UUID("8a4f2c1e-7b3d-4f6a-9e5c-64656c657465")
+_decoder = EventDecoder(CheckpointSaved)
+
+# What a lost database connection looks like from asyncpg: retry later, never dead-letter.
+_DB_DOWN = (
+    OSError,
+    asyncpg.exceptions.ConnectionDoesNotExistError,
+    asyncpg.exceptions.CannotConnectNowError,
+    asyncpg.exceptions.InterfaceError,
+    asyncpg.exceptions.AdminShutdownError,
+    asyncpg.exceptions.CrashShutdownError,
+    asyncpg.exceptions.ConnectionFailureError,
+    asyncio.TimeoutError,
+)
+
+
+def object_name(project: str, model: str, step: int) -> str:
+    return f"{project}/{model}/{step:06d}"
+
+
+def served_name(model: str, step: int) -> str:
+    return f"{model}@{step}"
+
+
+def published_event_id(saved_id: str) -> str:
+    return str(uuid.uuid5(_PUBLISHED_NAMESPACE, saved_id))
+
+
+def deleted_event_id(saved_id: str) -> str:
+    return str(uuid.uuid5(_DELETED_NAMESPACE, saved_id))
+
+
+def nats_digest(sha256: str) -> str:
+    """The Object Store's spelling of a sha256 (``SHA-256=<base64url>``)."""
+    return "SHA-256=" + base64.urlsafe_b64encode(bytes.fromhex(sha256)).decode()
+
+
+class Publisher:
+    def __init__(self, nc: NATS, dsn: str, settings: PublisherSettings):
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.dsn = dsn
+        self.settings = settings
+        self.policy = settings.retention_policy()
+        self.pool: asyncpg.Pool | None = None
+        self._pool_lock = asyncio.Lock()
+        self._tracer = tracer(SERVICE)
+        self.consumer = DurableConsumer(
+            self.js,
+            service=SERVICE,
+            stream=subjects.CHECKPOINTS,
+            durable=subjects.PUBLISHER_CONSUMER,
+            filter_subject=subjects.CHECKPOINTS_SAVED,
+            handler=self.handle_batch,
+            options=ConsumerOptions(
+                batch_size=settings.batch_size,
+                fetch_timeout_s=settings.fetch_timeout_s,
+                ack_wait_s=settings.ack_wait_s,
+                max_deliveries=settings.max_deliveries,
+                backoff_max_s=settings.backoff_max_s,
+            ),
+        )
+
+    async def start(self) -> None:
+        await self.consumer.start()
+
+    async def run(self) -> None:
+        await self.consumer.run()
+
+    def stop(self) -> None:
+        self.consumer.stop()
+
+    async def close(self) -> None:
+        if self.pool is not None:
+            await self.pool.close()
+
+    async def handle_batch(self, msgs: Sequence[Msg]) -> list[BaseException | None]:
+        """One at a time, in stream order; after an outage the rest of the batch waits too."""
+        outcomes: list[BaseException | None] = []
+        for msg in msgs:
+            if outcomes and isinstance(outcomes[-1], DependencyUnavailable):
+                outcomes.append(outcomes[-1])
+                continue
+            try:
+                await self.handle(msg)
+                outcomes.append(None)
+            except Exception as exc:
+                outcomes.append(exc)
+        return outcomes
+
+    async def handle(self, msg: Msg) -> None:
+        saved = _decoder.decode(msg.data, (msg.headers or {}).get(CONTENT_TYPE))
+        if msg.subject != subjects.checkpoint("saved", saved.project, saved.model):
+            raise InvalidMessage(
+                "subject_mismatch",
+                f"{saved.project}/{saved.model} published on {msg.subject}",
+                original_id=saved.id,
+            )
+        with self._tracer.start_as_current_span(
+            "publisher.publish_checkpoint",
+            context=extract(msg.headers),
+            kind=trace.SpanKind.CONSUMER,
+            attributes={
+                "artery.project": saved.project,
+                "artery.model": saved.model,
+                "artery.step": saved.step,
+            },
+        ):
+            try:
+                await self.publish_checkpoint(saved, msg)
+            except InvalidMessage as exc:
+                exc.original_id = exc.original_id or saved.id
+                raise
+
+    async def publish_checkpoint(self, saved: CheckpointSaved, msg: Msg | None = None) -> None:
+        if saved.step is None:
+            raise InvalidMessage("validation", "checkpoint.saved needs a step")
+        path = files.adapter_path(saved.uri)
+        async with self._connection() as conn:
+            row = _same_event(saved, await store.find(conn, saved.project, saved.model, saved.step, saved.id))
+        if row is None:
+            data = await asyncio.to_thread(files.read_adapter, path, saved.sha256, saved.size_bytes)
+            if msg is not None:
+                await msg.in_progress()  # a large adapter may take a while to put
+            row = CheckpointRow(
+                project=saved.project,
+                model=saved.model,
+                step=saved.step,
+                event_id=saved.id,
+                object_name=object_name(saved.project, saved.model, saved.step),
+                sha256=saved.sha256,
+                size_bytes=len(data),
+                base_model=saved.base_model,
+                metrics=dict(saved.metrics),
+                saved_at=saved.time,
+            )
+            await self._put_object(row.object_name, data, row.sha256)
+            del data
+            async with self._connection() as conn:
+                if not await store.insert(conn, row):  # another replica got there first
+                    found = await store.find(conn, saved.project, saved.model, saved.step, saved.id)
+                    row = _same_event(saved, found)
+        if row is None or row.event_id != saved.id:
+            log.info("duplicate checkpoint.saved; nothing to do", step=saved.step, event_id=saved.id)
+            return
+        if row.published_at is None and row.deleted_at is None:
+            await self._publish(
+                subjects.checkpoint("published", row.project, row.model), published_event(row)
+            )
+            async with self._connection() as conn:
+                await store.mark_published(conn, row.project, row.model, row.step)
+            log.info("published", project=row.project, model=row.model, step=row.step)
+        await self.apply_retention(row.project, row.model, self.policy, reason="retention")
+
+    async def apply_retention(
+        self, project: str, model: str, policy: RetentionPolicy, *, reason: str
+    ) -> RetentionPlan:
+        """Delete what ``policy`` does not keep; returns the plan (``delete``: deleted now)."""
+        async with self._connection() as conn, conn.transaction():
+            await store.lock_model(conn, project, model)
+            rows = {r.step: r for r in await store.live(conn, project, model)}
+            plan = plan_retention([Checkpoint(r.step, r.metrics) for r in rows.values()], policy)
+            for step in plan.delete:
+                row = rows[step]
+                await self._delete_object(row.object_name)
+                deleted = CheckpointDeleted(
+                    id=deleted_event_id(row.event_id),
+                    project=project,
+                    model=model,
+                    step=step,
+                    object_name=row.object_name,
+                    reason=reason,
+                )
+                await self._publish(subjects.checkpoint("deleted", project, model), deleted)
+                await store.mark_deleted(conn, project, model, step, reason)
+        if plan.delete:
+            log.info("retention", project=project, model=model, kept=plan.keep, deleted=plan.delete)
+        return plan
+
+    @contextlib.asynccontextmanager
+    async def _connection(self) -> AsyncIterator[asyncpg.Connection]:
+        try:
+            async with self._pool_lock:
+                if self.pool is None:
+                    self.pool = await create_pool(self.dsn, max_size=self.settings.db_pool_size)
+            async with self.pool.acquire() as conn:
+                yield conn
+        except _DB_DOWN as exc:
+            raise DependencyUnavailable(f"PostgreSQL unavailable: {exc!r}") from exc
+        except asyncpg.exceptions.PostgresError as exc:
+            if type(exc).__name__ in {"TooManyConnectionsError", "QueryCanceledError"}:
+                raise DependencyUnavailable(f"PostgreSQL busy: {exc!r}") from exc
+            raise
+
+    async def _put_object(self, name: str, data: bytes, sha256: str) -> None:
+        try:
+            bucket = await self.js.object_store(subjects.ADAPTERS_BUCKET)
+            try:
+                info = await bucket.get_info(name)
+            except NotFoundError:
+                info = None
+            if info is not None and info.size == len(data) and info.digest == nats_digest(sha256):
+                return  # put before a crash: the same bytes are there
+            await put_adapter(self.js, name, data)
+        except Exception as exc:
+            raise DependencyUnavailable(f"Object Store put of {name!r} failed: {exc!r}") from exc
+
+    async def _delete_object(self, name: str) -> None:
+        try:
+            bucket = await self.js.object_store(subjects.ADAPTERS_BUCKET)
+            await bucket.delete(name)
+        except NotFoundError:  # deleted before a crash (ObjectNotFoundError is a NotFoundError)
+            pass
+        except Exception as exc:
+            raise DependencyUnavailable(f"Object Store delete of {name!r} failed: {exc!r}") from exc
+
+    async def _publish(self, subject: str, event: Event) -> None:
+        try:
+            await publish_event(self.js, subject, event)
+        except Exception as exc:
+            raise DependencyUnavailable(f"publishing {subject} failed: {exc!r}") from exc
+
+
+def published_event(row: CheckpointRow) -> CheckpointPublished:
+    return CheckpointPublished(
+        id=published_event_id(row.event_id),
+        project=row.project,
+        model=row.model,
+        step=row.step,
+        object_name=row.object_name,
+        sha256=row.sha256,
+        size_bytes=row.size_bytes,
+        base_model=row.base_model,
+        served_name=served_name(row.model, row.step),
+    )
+
+
+def _same_event(saved: CheckpointSaved, rows: list[CheckpointRow]) -> CheckpointRow | None:
+    """The row ``saved`` wrote, if any. Another event for the same bytes at the same step is a
+    harmless duplicate (returned, and left alone by the caller); anything else is a conflict."""
+    here = (saved.project, saved.model, saved.step)
+    for row in rows:
+        if row.event_id == saved.id and (row.project, row.model, row.step) != here:
+            raise InvalidMessage(
+                "id_conflict", f"event id {saved.id} already saved {row.project}/{row.model} step {row.step}"
+            )
+        if row.event_id != saved.id and row.sha256 != saved.sha256:
+            raise InvalidMessage(
+                "step_conflict",
+                f"step {saved.step} of {saved.project}/{saved.model} is already published with "
+                f"sha256 {row.sha256} (event {row.event_id})",
+            )
+    return next((r for r in rows if r.event_id == saved.id), rows[0] if rows else None)

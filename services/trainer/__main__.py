@@ -1,0 +1,3 @@
+from artery.services.trainer.main import main
+
+main()

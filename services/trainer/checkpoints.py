@@ -1,0 +1,126 @@
+"""Checkpoints on disk: one directory per step, written atomically, and the policies in memory.
+
+Layout: ``<checkpoint_dir>/<project>/<model>/<step:06d>/`` holding ``adapter/`` (what inference
+loads), the optimizer state (safetensors + JSON, never pickle), ``adapter.tar`` (what the
+publisher uploads) and ``step.json`` (the request that produced it, and its metrics). A step
+directory is written under a temporary name and renamed into place, so a crash leaves either the
+whole step or nothing; a restarted trainer resumes from the highest complete step.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from artery.schemas import ModelRecord
+from artery.services.trainer.policy import LoraSettings, OptimSettings, Policy
+from artery.services.trainer.settings import TrainerSettings
+from artery.shared.adapters import pack_adapter, sha256_hex
+from artery.shared.logs import get_logger
+from artery.shared.models import resolve_base_model
+
+log = get_logger(__name__)
+STEP_FILE = "step.json"
+ADAPTER_TAR = "adapter.tar"
+
+
+def model_dir(settings: TrainerSettings, record: ModelRecord) -> Path:
+    return Path(settings.checkpoint_dir) / record.project / record.name
+
+
+def step_dir(settings: TrainerSettings, record: ModelRecord, step: int) -> Path:
+    return model_dir(settings, record) / f"{step:06d}"
+
+
+def latest_step(settings: TrainerSettings, record: ModelRecord) -> int:
+    """The highest complete step on disk; 0 (the base model) when there is none."""
+    root = model_dir(settings, record)
+    steps = [int(p.name) for p in root.glob("[0-9]" * 6) if (p / STEP_FILE).exists()] if root.exists() else []
+    return max(steps, default=0)
+
+
+def step_for_request(
+    settings: TrainerSettings, record: ModelRecord, request_id: str
+) -> tuple[int, dict] | None:
+    """The step a request already produced (found in the latest step's record), if any."""
+    step = latest_step(settings, record)
+    if step == 0:
+        return None
+    info = json.loads((step_dir(settings, record, step) / STEP_FILE).read_text())
+    return (step, info["metrics"]) if info.get("request_id") == request_id else None
+
+
+def lora_settings(settings: TrainerSettings, record: ModelRecord) -> LoraSettings:
+    """Trainer defaults, overridden per model by ``config["lora"]`` given at registration."""
+    overrides = dict(record.config.get("lora") or {})
+    return LoraSettings(
+        rank=int(overrides.get("rank", settings.lora_rank)),
+        alpha=int(overrides.get("alpha", settings.lora_alpha)),
+        target_modules=list(
+            overrides.get("target_modules")
+            or [m.strip() for m in settings.lora_target_modules.split(",") if m.strip()]
+        ),
+    )
+
+
+def optim_settings(settings: TrainerSettings) -> OptimSettings:
+    return OptimSettings(micro_batch_size=settings.micro_batch_size)
+
+
+def save_step(
+    settings: TrainerSettings, record: ModelRecord, policy: Policy, step: int, request_id: str, metrics: dict
+) -> Path:
+    final = step_dir(settings, record, step)
+    partial = final.with_name(final.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    policy.save(partial)
+    (partial / ADAPTER_TAR).write_bytes(pack_adapter(partial / "adapter"))
+    (partial / STEP_FILE).write_text(
+        json.dumps({"step": step, "request_id": request_id, "metrics": metrics}, default=float)
+    )
+    shutil.rmtree(final, ignore_errors=True)
+    partial.rename(final)
+    return final
+
+
+def packed_adapter(settings: TrainerSettings, record: ModelRecord, step: int) -> tuple[Path, str, int]:
+    path = step_dir(settings, record, step) / ADAPTER_TAR
+    data = path.read_bytes()
+    return path, sha256_hex(data), len(data)
+
+
+class PolicyCache:
+    """The policy of the model last trained, kept in memory between steps (one at a time)."""
+
+    def __init__(self, settings: TrainerSettings):
+        self.settings = settings
+        self._key: tuple[str, str] | None = None
+        self._policy: Policy | None = None
+        self._step = 0
+
+    async def get(self, record: ModelRecord) -> tuple[Policy, int]:
+        import asyncio
+
+        key = (record.project, record.name)
+        on_disk = latest_step(self.settings, record)
+        if self._key != key or self._policy is None or self._step != on_disk:
+            self._policy = await asyncio.to_thread(self._load, record, on_disk)
+            self._key, self._step = key, on_disk
+        return self._policy, self._step
+
+    def _load(self, record: ModelRecord, step: int) -> Policy:
+        base = resolve_base_model(record.base_model)
+        lora, optim = lora_settings(self.settings, record), optim_settings(self.settings)
+        if step == 0:
+            log.info("new adapter", project=record.project, model=record.name, base_model=record.base_model)
+            return Policy.create(base, lora, optim, device=self.settings.device)
+        log.info("resuming", project=record.project, model=record.name, step=step)
+        return Policy.restore(
+            step_dir(self.settings, record, step), base, lora, optim, device=self.settings.device
+        )
+
+    def advance(self, record: ModelRecord, step: int) -> None:
+        if self._key == (record.project, record.name):
+            self._step = step

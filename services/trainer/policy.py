@@ -1,0 +1,664 @@
+"""The trained policy: a base model, a PEFT LoRA adapter on it, and the AdamW optimizer of that adapter.
+
+``Policy.train_step`` is one GRPO step over scored trajectory groups, in this process (no NATS, no
+database): rewards become group advantages, degenerate groups are skipped and counted,
+trajectories become padded sequences, and micro-batches accumulate gradients normalised over the
+whole optimizer step, so splitting a batch into micro-batches never changes the update.
+
+``Policy.save`` writes a checkpoint directory that restores exactly, without pickle::
+
+    <dir>/adapter/               what inference loads (adapter_config.json, adapter_model.safetensors)
+    <dir>/optimizer.safetensors  AdamW's tensors as "<param index>.<key>" (exp_avg, exp_avg_sq, step)
+    <dir>/optimizer.json         param groups (hyperparameters), non-tensor state, parameter names
+    <dir>/rng.safetensors        torch's global RNG state(s), for LoRA dropout
+    <dir>/trainer_state.json     step, settings, seed
+
+``Policy.restore`` rebuilds the same adapter and optimizer state, so the step after a restart is
+the step the uninterrupted run would have taken.
+
+Loading: on CUDA, when ``import unsloth`` works, Unsloth's ``FastLanguageModel`` loads the model and
+adds the LoRA (faster kernels, less memory). That path is GPU-only and untested on the CPU machines
+this was written on; everywhere else it is transformers + ``peft.get_peft_model``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import json
+import math
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from artery.schemas import TrainConfig, Trajectory
+from artery.services.trainer.advantages import group_advantages, is_degenerate
+from artery.services.trainer.losses import LossConfig, LossFn, LossInputs, select_loss
+from artery.services.trainer.sequences import TrainingSequence, build_sequences, pad_batch
+
+#: Qwen2/Llama-style projection names, plus ``lm_head``. On the tiny test model (hidden size 64,
+#: tied input/output embeddings) a LoRA on attention and MLP alone barely moves the logits, and
+#: the reward does not move; with ``lm_head`` it learns in a few dozen steps (ENVIRONMENT.md,
+#: "Models and GRPO on the CPU"). PEFT wraps the tied ``lm_head`` Linear without untying the
+#: embedding. Configurable: pass other ``target_modules`` (TRL, for one, refuses ``lm_head``).
+DEFAULT_TARGET_MODULES: tuple[str, ...] = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "lm_head",
+)
+#: Unsloth's ``max_seq_length`` (ART's default); only the Unsloth path uses it.
+UNSLOTH_MAX_SEQ_LENGTH = 32768
+ADAPTER_DIR = "adapter"
+TRAINER_STATE = "trainer_state.json"
+OPTIMIZER_TENSORS = "optimizer.safetensors"
+OPTIMIZER_JSON = "optimizer.json"
+RNG_TENSORS = "rng.safetensors"
+CHECKPOINT_FORMAT = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoraSettings:
+    """The adapter's shape (ART's defaults: r=8, alpha=16)."""
+
+    rank: int = 8
+    alpha: float = 16
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = DEFAULT_TARGET_MODULES
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "target_modules", tuple(self.target_modules))
+        if self.rank < 1 or not self.target_modules:
+            raise ValueError("LoRA needs rank >= 1 and at least one target module")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"LoRA dropout must lie in [0, 1), got {self.dropout}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimSettings:
+    """AdamW as ART sets it for RL (betas (0.9, 0.99), weight decay 0.1); the learning rate comes with
+    each request. ART clips gradients at 0.1; 1.0 here, as TRL, unless the request says otherwise."""
+
+    betas: tuple[float, float] = (0.9, 0.99)
+    weight_decay: float = 0.1
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0
+    #: Sequences per forward/backward pass; gradients accumulate over the optimizer step.
+    micro_batch_size: int = 8
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
+        if self.micro_batch_size < 1:
+            raise ValueError("micro_batch_size must be at least 1")
+        if self.max_grad_norm <= 0:
+            raise ValueError("max_grad_norm must be > 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepResult:
+    #: The policy version after this call: it advances even when nothing was trained (as ART).
+    step: int
+    #: Whether an optimizer step changed the adapter.
+    trained: bool
+    #: Why nothing was trained: ``no_groups``, ``all_groups_skipped``, ``no_trainable_sequences``
+    #: or ``non_finite_gradient``; None when trained.
+    skip_reason: str | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------- pure helpers
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupPlan:
+    """Advantages per trajectory, and the group-level counters of a step."""
+
+    advantages: list[list[float]]
+    metrics: dict[str, float]
+
+
+def plan_groups(groups: Sequence[Sequence[Trajectory]], *, scale_rewards: bool) -> GroupPlan:
+    """Group advantages; a group with equal rewards (or fewer than two rollouts) gets exact zeros."""
+    advantages: list[list[float]] = []
+    equal = too_small = 0
+    rewards_all: list[float] = []
+    stds: list[float] = []
+    for group in groups:
+        rewards = torch.tensor([t.reward for t in group], dtype=torch.float64)  # [G]
+        if not bool(torch.isfinite(rewards).all()):
+            raise ValueError("rewards must be finite")
+        rewards_all += rewards.tolist()
+        if rewards.numel():
+            stds.append(rewards.std(correction=0).item())
+        if rewards.numel() < 2:
+            too_small += 1
+        elif is_degenerate(rewards):
+            equal += 1
+        advantages.append(group_advantages(rewards, scale=scale_rewards).tolist())
+    metrics = {
+        "groups": float(len(groups)),
+        "groups_skipped_equal_rewards": float(equal),
+        "groups_skipped_too_small": float(too_small),
+        "reward_mean": _mean(rewards_all),
+        "reward_std": _mean(stds),  # mean within-group (population) std, as ART's reward_std_dev
+    }
+    return GroupPlan(advantages=advantages, metrics=metrics)
+
+
+def token_logprobs(logits: Tensor, input_ids: Tensor, temperature: float) -> Tensor:
+    """log p(input_ids[:, t+1]) from logits[:, t] at ``temperature``: [B,T,V], [B,T] -> [B,T-1]."""
+    scaled = logits[:, :-1].float() / temperature  # [B,T-1,V]
+    targets = input_ids[:, 1:].unsqueeze(-1)  # [B,T-1,1]
+    return scaled.gather(-1, targets).squeeze(-1) - torch.logsumexp(scaled, dim=-1)  # [B,T-1]
+
+
+def chunks(items: Sequence[TrainingSequence], size: int) -> Iterator[list[TrainingSequence]]:
+    for start in range(0, len(items), size):
+        yield list(items[start : start + size])
+
+
+def trained_tokens(sequence: TrainingSequence) -> int:
+    """Trained tokens of a sequence; position 0 is never predicted (``pad_batch`` shifts it away)."""
+    return sum(sequence.assistant_mask[1:])
+
+
+@functools.lru_cache(maxsize=16)
+def cached_loss(config: LossConfig) -> LossFn:
+    """A request picks its loss; the same configuration gets the same selected function."""
+    return select_loss(config)
+
+
+def loss_config(config: TrainConfig, *, max_seq_len: int) -> LossConfig:
+    return LossConfig(
+        name=config.loss_fn,
+        epsilon=config.epsilon,
+        epsilon_high=config.epsilon_high,
+        # dr_grpo's constant normaliser: TRL uses max_completion_length; a step knows only the
+        # longest sequence it accepts (constant over a run, which is what matters).
+        max_completion_length=max_seq_len,
+        kl_coef=config.kl_penalty_coef,
+        truncated_importance_sampling=config.truncated_importance_sampling,
+    )
+
+
+def _mean(values: Sequence[float]) -> float:
+    return float(sum(values) / len(values)) if values else 0.0
+
+
+# --------------------------------------------------------------------------- the policy
+
+
+class Policy:
+    """Base model + LoRA adapter + optimizer. Build with ``create`` or ``restore``."""
+
+    def __init__(
+        self,
+        *,
+        model: Any,
+        tokenizer: Any,
+        lora: LoraSettings,
+        optim: OptimSettings,
+        device: torch.device,
+        seed: int,
+        backend: str,
+        base_model_path: str,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.lora = lora
+        self.optim = optim
+        self.device = device
+        self.seed = seed
+        #: ``peft`` or ``unsloth``.
+        self.backend = backend
+        self.base_model_path = base_model_path
+        #: The policy version: train_step calls so far (each advances it, trained or not).
+        self.step = 0
+        self.named_trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not self.named_trainable:
+            raise ValueError("the adapter has no trainable parameters (do the target modules exist?)")
+        self.optimizer = torch.optim.AdamW(
+            [p for _, p in self.named_trainable],
+            lr=0.0,  # set from each request
+            betas=optim.betas,
+            weight_decay=optim.weight_decay,
+            eps=optim.eps,
+        )
+        pad = tokenizer.pad_token_id
+        self.pad_id = int(pad if pad is not None else tokenizer.eos_token_id)
+
+    # --- construction ------------------------------------------------------------------------------
+
+    @classmethod
+    def create(
+        cls,
+        base_model_path: str | os.PathLike,
+        lora: LoraSettings = LoraSettings(),
+        optim: OptimSettings = OptimSettings(),
+        *,
+        device: str = "cpu",
+        dtype: torch.dtype | str | None = None,
+        seed: int = 0,
+    ) -> Policy:
+        """A fresh adapter (LoRA B = 0, so the policy starts as the base model) on the base model."""
+        from artery.shared.models import resolve_base_model
+
+        path = resolve_base_model(str(base_model_path))
+        torch_device = torch.device(device)
+        torch_dtype = _dtype(dtype, torch_device)
+        # LoRA A is drawn from the global RNG: a private fork keeps creation deterministic per seed
+        # without disturbing anyone else's draws.
+        with torch.random.fork_rng(devices=_cuda_devices(torch_device)):
+            torch.manual_seed(seed)
+            if torch_device.type == "cuda" and _unsloth_available():
+                model, tokenizer = _load_unsloth(path, lora, torch_dtype, seed)
+                backend = "unsloth"
+            else:
+                model, tokenizer = _load_peft(path, lora, torch_dtype, torch_device)
+                backend = "peft"
+        model.train()
+        return cls(
+            model=model,
+            tokenizer=tokenizer,
+            lora=lora,
+            optim=optim,
+            device=torch_device,
+            seed=seed,
+            backend=backend,
+            base_model_path=str(base_model_path),
+        )
+
+    @classmethod
+    def restore(
+        cls,
+        directory: str | os.PathLike,
+        base_model_path: str | os.PathLike,
+        lora: LoraSettings = LoraSettings(),
+        optim: OptimSettings = OptimSettings(),
+        *,
+        device: str = "cpu",
+        dtype: torch.dtype | str | None = None,
+    ) -> Policy:
+        """The policy as ``save(directory)`` left it: adapter weights, AdamW moments and step counts,
+        the policy step and the RNG state. ``optim`` hyperparameters given here win over the saved
+        ones (betas, weight decay, eps: a deliberate change of settings applies from now on)."""
+        directory = Path(directory)
+        state_file = directory / TRAINER_STATE
+        if not state_file.is_file():
+            raise FileNotFoundError(
+                f"{directory}: no {TRAINER_STATE} (not a checkpoint, or an incomplete one)"
+            )
+        state = json.loads(state_file.read_text())
+        saved_lora = state["lora"]
+        shape = (saved_lora["rank"], saved_lora["alpha"], tuple(saved_lora["target_modules"]))
+        if shape != (lora.rank, lora.alpha, lora.target_modules):
+            raise ValueError(f"{directory}: saved with LoRA {saved_lora}, asked to restore as {lora}")
+        policy = cls.create(base_model_path, lora, optim, device=device, dtype=dtype, seed=state["seed"])
+        policy.load_adapter_weights(directory / ADAPTER_DIR)
+        policy.load_optimizer_state(directory)
+        policy.step = int(state["step"])
+        rng_file = directory / RNG_TENSORS
+        if rng_file.is_file():
+            _set_rng_state(load_file(rng_file))
+        return policy
+
+    # --- training ----------------------------------------------------------------------------------
+
+    def train_step(
+        self,
+        groups: Sequence[Sequence[Trajectory]],
+        config: TrainConfig,
+        *,
+        max_seq_len: int,
+        temperature: float = 1.0,
+        allow_training_without_logprobs: bool = False,
+    ) -> StepResult:
+        """One GRPO step. ``temperature`` is the sampler's: new logprobs are taken at it, as the
+        sampler's old ones were. ``config.grad_accumulation_sequences`` (when set) splits the step's
+        sequences into optimizer steps of that many sequences each; unset, the step is one update."""
+        started = time.perf_counter()
+        if temperature <= 0:
+            raise ValueError("temperature must be > 0 (greedy samples have no logprobs to train on)")
+        if config.max_grad_norm is not None and config.max_grad_norm <= 0:
+            raise ValueError("max_grad_norm must be > 0 (or None for the default)")
+        loss_fn = cached_loss(loss_config(config, max_seq_len=max_seq_len))  # invalid settings raise here
+        plan = plan_groups(groups, scale_rewards=config.scale_rewards)
+        sequences, report = build_sequences(
+            groups,
+            plan.advantages,
+            self.tokenizer,
+            max_seq_len=max_seq_len,
+            allow_training_without_logprobs=allow_training_without_logprobs,
+        )
+        self.step += 1
+        metrics = dict(plan.metrics)
+        metrics.update({key: float(value) for key, value in report.counts().items()})
+        metrics["groups_trained"] = float(len({s.group_index for s in sequences}))
+        metrics["sequences_dropped"] = float(sum(d.reason != "zero_advantage" for d in report.dropped))
+        metrics["tokens_trained"] = float(sum(trained_tokens(s) for s in sequences))
+        metrics["learning_rate"] = float(config.learning_rate)
+
+        skip_reason = None
+        if not groups:
+            skip_reason = "no_groups"
+        elif metrics["groups_skipped_equal_rewards"] + metrics["groups_skipped_too_small"] == len(groups):
+            skip_reason = "all_groups_skipped"
+        elif not sequences:
+            skip_reason = "no_trainable_sequences"
+        if skip_reason is None:
+            size = config.grad_accumulation_sequences or len(sequences)
+            updates = [
+                self._update(part, loss_fn, config, temperature=temperature)
+                for part in chunks(sequences, size)
+            ]
+            metrics.update(_merge_updates(updates))
+            if not any(u["applied"] for u in updates):
+                skip_reason = "non_finite_gradient"
+        metrics["trained"] = float(skip_reason is None)
+        metrics["step_time_s"] = time.perf_counter() - started
+        return StepResult(
+            step=self.step, trained=skip_reason is None, skip_reason=skip_reason, metrics=metrics
+        )
+
+    def _update(
+        self, sequences: list[TrainingSequence], loss_fn: LossFn, config: TrainConfig, *, temperature: float
+    ) -> dict[str, float]:
+        """One optimizer step over ``sequences``, accumulated over micro-batches."""
+        model = self.model
+        model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        num_sequences = float(len(sequences))  # normalisers for the whole optimizer step
+        num_tokens = float(max(sum(trained_tokens(s) for s in sequences), 1))
+        kl = config.kl_penalty_coef > 0.0
+        loss_sum = ratio_sum = clip_sum = kl_sum = 0.0
+        for micro in chunks(sequences, self.optim.micro_batch_size):
+            batch = {k: v.to(self.device) for k, v in pad_batch(micro, self.pad_id).items()}
+            input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]  # [B,T]
+            logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # [B,T,V]
+            logprobs = token_logprobs(logits, input_ids, temperature)  # [B,T-1]
+            del logits
+            ref_logprobs = None
+            if kl:  # the base model: the same weights with the adapter switched off
+                with torch.no_grad(), model.disable_adapter():
+                    ref_logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # [B,T,V]
+                    ref_logprobs = token_logprobs(ref_logits, input_ids, temperature)  # [B,T-1]
+                    del ref_logits
+            out = loss_fn(
+                LossInputs(
+                    logprobs=logprobs,  # [B,T-1]
+                    old_logprobs=batch["old_logprobs"],  # [B,T-1] NaN where unknown
+                    advantages=batch["advantages"],  # [B]
+                    mask=batch["assistant_mask"],  # [B,T-1]
+                    ref_logprobs=ref_logprobs,
+                    num_sequences=num_sequences,
+                    num_tokens=num_tokens,
+                )
+            )
+            out.loss.backward()
+            tokens = float(batch["assistant_mask"].sum())  # this micro-batch's share of the means
+            loss_sum += float(out.loss.detach())
+            ratio_sum += float(out.ratio_mean) * tokens
+            clip_sum += float(out.clip_fraction) * tokens
+            if out.kl_mean is not None:
+                kl_sum += float(out.kl_mean) * tokens
+        max_norm = config.max_grad_norm or self.optim.max_grad_norm
+        params = [p for _, p in self.named_trainable]
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        applied = math.isfinite(grad_norm)
+        if applied:
+            for group in self.optimizer.param_groups:
+                group["lr"] = config.learning_rate
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        result = {
+            "applied": float(applied),
+            "loss": loss_sum,
+            "grad_norm": grad_norm,
+            "tokens": num_tokens,
+            "ratio_sum": ratio_sum,
+            "clip_sum": clip_sum,
+        }
+        if kl:
+            result["kl_sum"] = kl_sum
+        return result
+
+    # --- checkpoints -------------------------------------------------------------------------------
+
+    @staticmethod
+    def adapter_dir(directory: str | os.PathLike) -> Path:
+        """Where ``save(directory)`` puts the adapter that inference loads."""
+        return Path(directory) / ADAPTER_DIR
+
+    def save(self, directory: str | os.PathLike) -> Path:
+        """Write the checkpoint (see the module docstring). The files are written into a temporary
+        sibling directory which then replaces ``directory``: a crash leaves the old one or the new."""
+        directory = Path(directory)
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        partial = directory.parent / f".{directory.name}.partial-{uuid.uuid4().hex[:8]}"
+        try:
+            # The frozen base lm_head would be saved too when lm_head is a target ("embedding layers
+            # found"): it is the base model's, never trained, and can be hundreds of MB.
+            self.model.save_pretrained(
+                partial / ADAPTER_DIR, safe_serialization=True, save_embedding_layers=False
+            )
+            tensors, structure = flatten_optimizer_state(
+                self.optimizer.state_dict(), [n for n, _ in self.named_trainable]
+            )
+            save_file(tensors, partial / OPTIMIZER_TENSORS)
+            _write_json(partial / OPTIMIZER_JSON, structure)
+            save_file(_rng_state(), partial / RNG_TENSORS)
+            _write_json(partial / TRAINER_STATE, self._trainer_state())
+            _replace_dir(partial, directory)
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)
+        return directory
+
+    def _trainer_state(self) -> dict[str, Any]:
+        return {
+            "format": CHECKPOINT_FORMAT,
+            "step": self.step,
+            "optimizer_steps": _optimizer_steps(self.optimizer),
+            "seed": self.seed,
+            "backend": self.backend,
+            "base_model": self.base_model_path,
+            "lora": dataclasses.asdict(self.lora),
+            "optim": dataclasses.asdict(self.optim),
+            "torch": torch.__version__,
+        }
+
+    def load_adapter_weights(self, adapter_dir: str | os.PathLike) -> None:
+        """Copy a saved adapter's weights into this policy's adapter (same LoRA settings)."""
+        from peft import set_peft_model_state_dict
+
+        weights = load_file(Path(adapter_dir) / "adapter_model.safetensors", device=str(self.device))
+        result = set_peft_model_state_dict(self.model, weights)
+        unexpected = list(getattr(result, "unexpected_keys", []))
+        missing = [k for k in getattr(result, "missing_keys", []) if "lora_" in k]
+        if unexpected or missing:
+            raise ValueError(f"adapter does not fit: unexpected {unexpected[:5]}, missing {missing[:5]}")
+
+    def load_optimizer_state(self, directory: str | os.PathLike) -> None:
+        directory = Path(directory)
+        structure = json.loads((directory / OPTIMIZER_JSON).read_text())
+        names = [n for n, _ in self.named_trainable]
+        if structure["param_names"] != names:
+            raise ValueError(f"{directory}: the optimizer state belongs to other parameters")
+        tensors = load_file(directory / OPTIMIZER_TENSORS)
+        self.optimizer.load_state_dict(unflatten_optimizer_state(tensors, structure))
+        for group in self.optimizer.param_groups:  # the settings given now win over the saved ones
+            group.update(betas=self.optim.betas, weight_decay=self.optim.weight_decay, eps=self.optim.eps)
+
+
+# --------------------------------------------------------------------------- optimizer state files
+
+
+def flatten_optimizer_state(
+    state_dict: dict[str, Any], param_names: list[str]
+) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """``optimizer.state_dict()`` as safetensors tensors (``"<index>.<key>"``) plus a JSON structure."""
+    tensors: dict[str, Tensor] = {}
+    state: dict[str, dict[str, Any]] = {}
+    for index, entries in state_dict["state"].items():
+        state[str(index)] = {}
+        for key, value in entries.items():
+            if isinstance(value, Tensor):
+                tensors[f"{index}.{key}"] = value.detach().cpu().contiguous()
+                state[str(index)][key] = {"tensor": f"{index}.{key}"}
+            else:
+                state[str(index)][key] = {"value": value}
+    groups = [
+        {k: list(v) if isinstance(v, tuple) else v for k, v in g.items()} for g in state_dict["param_groups"]
+    ]
+    return tensors, {"param_names": param_names, "param_groups": groups, "state": state}
+
+
+def unflatten_optimizer_state(tensors: dict[str, Tensor], structure: dict[str, Any]) -> dict[str, Any]:
+    state: dict[int, dict[str, Any]] = {}
+    for index, entries in structure["state"].items():
+        state[int(index)] = {
+            key: tensors[spec["tensor"]] if "tensor" in spec else spec["value"]
+            for key, spec in entries.items()
+        }
+    groups = [{k: tuple(v) if k == "betas" else v for k, v in g.items()} for g in structure["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+# --------------------------------------------------------------------------- internals
+
+
+def _merge_updates(updates: list[dict[str, float]]) -> dict[str, float]:
+    tokens = sum(u["tokens"] for u in updates)
+    merged = {
+        "loss": _mean([u["loss"] for u in updates]),
+        "grad_norm": _mean([u["grad_norm"] for u in updates]),
+        "ratio_mean": sum(u["ratio_sum"] for u in updates) / tokens,
+        "clip_fraction": sum(u["clip_sum"] for u in updates) / tokens,
+        "optimizer_steps": float(sum(u["applied"] for u in updates)),
+    }
+    if "kl_sum" in updates[0]:
+        merged["kl_mean"] = sum(u["kl_sum"] for u in updates) / tokens
+    return merged
+
+
+def _dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, str):
+        return getattr(torch, dtype)
+    if dtype is not None:
+        return dtype
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+def _cuda_devices(device: torch.device) -> list[int]:
+    if device.type != "cuda":
+        return []
+    return [device.index if device.index is not None else torch.cuda.current_device()]
+
+
+def _peft_config(lora: LoraSettings) -> Any:
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+
+
+def _load_peft(path: str, lora: LoraSettings, dtype: torch.dtype, device: torch.device) -> tuple[Any, Any]:
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    # Adapter weights stay float32 on a bf16 base (PEFT's autocast_adapter_dtype): AdamW on bf16
+    # LoRA weights loses small updates.
+    return get_peft_model(base, _peft_config(lora)), tokenizer
+
+
+def _unsloth_available() -> bool:
+    """Whether ``import unsloth`` works. Only asked on CUDA: importing it patches transformers."""
+    try:
+        import unsloth  # noqa: F401
+    except Exception:  # ImportError, or its own errors without a usable GPU
+        return False
+    return True
+
+
+def _load_unsloth(path: str, lora: LoraSettings, dtype: torch.dtype, seed: int) -> tuple[Any, Any]:
+    """GPU only; untested on the CPU machines this module was written on."""
+    from unsloth import FastLanguageModel
+
+    model, tokenizer = FastLanguageModel.from_pretrained(
+        model_name=path, max_seq_length=UNSLOTH_MAX_SEQ_LENGTH, dtype=dtype, load_in_4bit=False
+    )
+    model = FastLanguageModel.get_peft_model(
+        model,
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+        bias="none",
+        random_state=seed,
+        use_gradient_checkpointing="unsloth",
+    )
+    return model, tokenizer
+
+
+def _optimizer_steps(optimizer: torch.optim.Optimizer) -> int:
+    steps = [float(s["step"]) for s in optimizer.state.values() if "step" in s]
+    return int(max(steps)) if steps else 0
+
+
+def _rng_state() -> dict[str, Tensor]:
+    state = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for i, cuda_state in enumerate(torch.cuda.get_rng_state_all()):
+            state[f"torch_cuda.{i}"] = cuda_state
+    return state
+
+
+def _set_rng_state(state: dict[str, Tensor]) -> None:
+    torch.set_rng_state(state["torch_cpu"])
+    cuda = [state[k] for k in sorted(state) if k.startswith("torch_cuda.")]
+    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def _write_json(path: Path, data: Any) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def _replace_dir(new: Path, target: Path) -> None:
+    """Rename ``new`` to ``target``; an existing ``target`` is moved aside first, then deleted."""
+    old = None
+    if target.exists():
+        old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
+        target.rename(old)
+    try:
+        new.rename(target)
+    except BaseException:
+        if old is not None:
+            with contextlib.suppress(OSError):
+                old.rename(target)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,286 @@
+"""The trainer: a train request in, one GRPO step on the LoRA adapter, a checkpoint out.
+
+Around every step: wait until the request's groups are stored, pause every inference replica of
+the model (a lease, renewed while training), train, save the adapter and the optimizer state,
+publish ``checkpoint.saved``, record the step, advance the model's step in the registry, resume
+inference, and answer with ``train.completed``. A redelivered request is answered from the
+record (or from the checkpoint it already produced) and never trains twice; a trainer that dies
+mid-step leaves inference paused no longer than the lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+
+import asyncpg
+import msgspec
+import nats
+from nats.aio.msg import Msg
+from nats.js.errors import KeyNotFoundError
+
+from artery.schemas import (
+    CheckpointSaved,
+    ModelRecord,
+    TrainCompleted,
+    TrainFailed,
+    TrainRequested,
+)
+from artery.services.trainer import checkpoints
+from artery.services.trainer.settings import TrainerSettings
+from artery.services.trainer.store import completed_step, load_groups, record_step, stored_group_ids
+from artery.shared import subjects
+from artery.shared.bus import CONTENT_TYPE, publish_event
+from artery.shared.codec import EventDecoder
+from artery.shared.consumer import ConsumerOptions, DurableConsumer
+from artery.shared.control_client import paused
+from artery.shared.db import create_pool
+from artery.shared.errors import DependencyUnavailable, InvalidMessage
+from artery.shared.logs import get_logger
+
+log = get_logger(__name__)
+SERVICE = "trainer"
+TRAINER_CONSUMER = "trainer"
+_IDS = uuid.UUID("5b2d8f0e-6a1c-4f4e-9d55-747261696e21")
+_decoder = EventDecoder(TrainRequested)
+_record = msgspec.json.Decoder(ModelRecord)
+
+
+def derived_id(kind: str, request_id: str) -> str:
+    """Ids of the events a request causes, the same on every redelivery (JetStream de-dupes)."""
+    return str(uuid.uuid5(_IDS, f"{kind}:{request_id}"))
+
+
+def finite(metrics: dict) -> dict[str, float]:
+    """Numeric metrics that JSON can carry: a NaN loss (a skipped, non-finite step) is left out."""
+    return {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and math.isfinite(v)}
+
+
+class GroupsNotStored(Exception):
+    pass
+
+
+class Trainer:
+    def __init__(self, nc: nats.NATS, dsn: str, settings: TrainerSettings, *, trainer_id: str = SERVICE):
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.dsn = dsn
+        self.settings = settings
+        self.trainer_id = trainer_id
+        self.pool: asyncpg.Pool | None = None
+        self.policies = checkpoints.PolicyCache(settings)
+        self.consumer = DurableConsumer(
+            self.js,
+            service=SERVICE,
+            stream=subjects.TRAINING,
+            durable=TRAINER_CONSUMER,
+            filter_subject=subjects.train("requested", "*", "*"),
+            handler=self.handle_batch,
+            options=ConsumerOptions(batch_size=1, ack_wait_s=settings.ack_wait_s, fetch_timeout_s=0.5),
+        )
+
+    async def start(self) -> None:
+        self.pool = await create_pool(self.dsn, max_size=2)
+        await self.consumer.start()
+
+    async def run(self) -> None:
+        await self.consumer.run()
+
+    def stop(self) -> None:
+        self.consumer.stop()
+
+    async def close(self) -> None:
+        if self.pool is not None:
+            await self.pool.close()
+
+    async def handle_batch(self, msgs: Sequence[Msg]) -> list[BaseException | None]:
+        outcomes: list[BaseException | None] = []
+        for msg in msgs:
+            try:
+                request = _decoder.decode(msg.data, (msg.headers or {}).get(CONTENT_TYPE))
+                await self.handle(request, msg)
+                outcomes.append(None)
+            except (InvalidMessage, DependencyUnavailable) as exc:
+                outcomes.append(exc)
+        return outcomes
+
+    async def handle(self, request: TrainRequested, msg: Msg | None = None) -> TrainCompleted | TrainFailed:
+        async with self.pool.acquire() as conn:
+            done = await completed_step(conn, request.id)
+        if done is not None:  # a redelivery: answer again, train nothing
+            step, metrics = done
+            return await self._complete(request, step, metrics)
+        record = await self._model_record(request)
+        try:
+            groups = await self._wait_for_groups(request, msg)
+        except GroupsNotStored as exc:
+            return await self._fail(request, str(exc), retriable=True)
+        return await self._train(request, record, groups)
+
+    async def _model_record(self, request: TrainRequested) -> ModelRecord:
+        kv = await self.js.key_value(subjects.MODELS_BUCKET)
+        try:
+            entry = await kv.get(subjects.model_key(request.project, request.model))
+        except KeyNotFoundError:
+            raise InvalidMessage(
+                "unknown_model",
+                f"{request.project}/{request.model} is not registered",
+                original_id=request.id,
+            ) from None
+        record = _record.decode(entry.value)
+        if not record.trainable or not record.base_model:
+            raise InvalidMessage(
+                "not_trainable",
+                f"{request.project}/{request.model} has no base model",
+                original_id=request.id,
+            )
+        return record
+
+    async def _wait_for_groups(self, request: TrainRequested, msg: Msg | None) -> list:
+        """Groups are published just before the request; the collector may still be writing them."""
+        deadline = time.monotonic() + self.settings.group_wait_s
+        wanted = set(request.group_ids)
+        while True:
+            async with self.pool.acquire() as conn:
+                missing = wanted - await stored_group_ids(conn, request.group_ids)
+                if not missing:
+                    return await load_groups(conn, request.group_ids)
+            if time.monotonic() > deadline:
+                raise GroupsNotStored(
+                    f"{len(missing)} of {len(wanted)} groups were never stored: {sorted(missing)[:5]}"
+                )
+            if msg is not None:
+                await msg.in_progress()  # we are alive: do not redeliver yet
+            await asyncio.sleep(0.1)
+
+    async def _train(self, request: TrainRequested, record: ModelRecord, groups: list) -> TrainCompleted:
+        started = time.monotonic()
+        policy, step = await self.policies.get(record)
+        already = checkpoints.step_for_request(self.settings, record, request.id)
+        if already is not None:  # crashed after saving, before recording: publish what was saved
+            new_step, metrics = already
+        else:
+            async with paused(
+                self.nc,
+                request.project,
+                request.model,
+                self.settings.pause_lease_s,
+                requested_by=self.trainer_id,
+                timeout_s=self.settings.pause_timeout_s,
+            ) as lease:
+                pause_s = time.monotonic() - started
+                result = await asyncio.to_thread(
+                    policy.train_step,
+                    groups,
+                    request.config,
+                    max_seq_len=self.settings.max_seq_len,
+                    temperature=self.settings.temperature,
+                )
+                new_step = step + 1
+                save_started = time.monotonic()
+                await asyncio.to_thread(
+                    checkpoints.save_step, self.settings, record, policy, new_step, request.id, result.metrics
+                )
+                metrics = {
+                    **result.metrics,
+                    "trained": float(result.trained),
+                    "pause_s": pause_s,
+                    "save_s": time.monotonic() - save_started,
+                    "replicas_paused": float(len(lease.outcome.acked)),
+                }
+            self.policies.advance(record, new_step)
+        await self._publish_checkpoint(request, record, new_step, metrics)
+        async with self.pool.acquire() as conn:
+            await record_step(
+                conn,
+                request_id=request.id,
+                project=request.project,
+                model=request.model,
+                step=new_step,
+                group_ids=request.group_ids,
+                trained=bool(metrics.get("trained", 1.0)),
+                metrics=metrics,
+            )
+        await self._advance_registry(request, new_step)
+        metrics["step_total_s"] = time.monotonic() - started
+        log.info(
+            "trained",
+            project=request.project,
+            model=request.model,
+            step=new_step,
+            loss=metrics.get("loss"),
+            reward_mean=metrics.get("reward_mean"),
+        )
+        return await self._complete(request, new_step, metrics)
+
+    async def _publish_checkpoint(
+        self, request: TrainRequested, record: ModelRecord, step: int, metrics
+    ) -> None:
+        path, sha256, size = await asyncio.to_thread(checkpoints.packed_adapter, self.settings, record, step)
+        await publish_event(
+            self.js,
+            subjects.checkpoint("saved", request.project, request.model),
+            CheckpointSaved(
+                id=derived_id("saved", request.id),
+                project=request.project,
+                model=request.model,
+                step=step,
+                uri=path.resolve().as_uri(),
+                sha256=sha256,
+                size_bytes=size,
+                base_model=record.base_model,
+                metrics=finite(metrics),
+            ),
+        )
+
+    async def _advance_registry(self, request: TrainRequested, step: int) -> None:
+        """The model's step in the registry, compare-and-set so a concurrent register keeps its fields."""
+        kv = await self.js.key_value(subjects.MODELS_BUCKET)
+        key = subjects.model_key(request.project, request.model)
+        for _ in range(10):
+            entry = await kv.get(key)
+            record = _record.decode(entry.value)
+            if record.step >= step:
+                return
+            try:
+                await kv.update(
+                    key, msgspec.json.encode(msgspec.structs.replace(record, step=step)), entry.revision
+                )
+                return
+            except Exception:  # someone wrote in between: read again
+                await asyncio.sleep(0.05)
+        raise DependencyUnavailable("could not advance the model's step in the registry")
+
+    async def _complete(self, request: TrainRequested, step: int, metrics: dict) -> TrainCompleted:
+        event = TrainCompleted(
+            id=derived_id("completed", request.id),
+            project=request.project,
+            model=request.model,
+            step=step,
+            request_id=request.id,
+            metrics=finite(metrics),
+            checkpoint=f"{request.model}@{step}",
+        )
+        await publish_event(self.js, subjects.train("completed", request.project, request.model), event)
+        return event
+
+    async def _fail(self, request: TrainRequested, error: str, *, retriable: bool) -> TrainFailed:
+        log.warning("train request failed", request_id=request.id, error=error)
+        event = TrainFailed(
+            id=derived_id("failed", request.id),
+            project=request.project,
+            model=request.model,
+            request_id=request.id,
+            error=error,
+            retriable=retriable,
+        )
+        await publish_event(self.js, subjects.train("failed", request.project, request.model), event)
+        return event
+
+
+def model_dir(settings: TrainerSettings, project: str, model: str) -> Path:
+    return Path(settings.checkpoint_dir) / project / model

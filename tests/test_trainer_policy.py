@@ -1,0 +1,379 @@
+"""The trainer's in-process core on the tiny model: one GRPO step, skipped groups, micro-batching,
+checkpoints that resume exactly, adapters that inference loads, and a task that is learned."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from artery.schemas import Message, Sample, TrainConfig, Trajectory
+from artery.services.inference.engine.base import GenerationRequest, SamplingParams
+from artery.services.inference.engine.transformers_engine import TransformersEngine
+from artery.services.trainer.policy import (
+    LoraSettings,
+    OptimSettings,
+    Policy,
+    flatten_optimizer_state,
+    plan_groups,
+    unflatten_optimizer_state,
+)
+from artery.testing.tasks import half_alphabet_reward, half_alphabet_task_prompt, sample_trajectories
+from artery.testing.tiny_model import tiny_model_path
+
+MAX_SEQ_LEN = 256
+PROMPT = [{"role": "user", "content": "Say something."}]
+
+
+@pytest.fixture(autouse=True)
+def _quiet_single_thread():
+    """One torch thread: as fast on the tiny model, and steady when other processes share the
+    cores (with two threads a busy machine made single steps 10-50x slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PEFT's and transformers' advice about tiny models
+        yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model_path():
+    return tiny_model_path()
+
+
+def make_policy(model_path, **optim) -> Policy:
+    return Policy.create(model_path, LoraSettings(), OptimSettings(**optim), seed=0)
+
+
+def prompt_ids(policy: Policy, messages=PROMPT) -> list[int]:
+    return list(policy.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
+
+
+def completion_logprobs(policy: Policy, token_ids: list[int], messages=PROMPT) -> torch.Tensor:
+    """Teacher-forced logprobs of ``token_ids`` after the prompt, under the policy as it is now."""
+    prompt = prompt_ids(policy, messages)
+    ids = torch.tensor([prompt + token_ids])
+    with torch.no_grad():
+        logits = policy.model(input_ids=ids).logits[0, len(prompt) - 1 : -1]  # [n, V]
+    return torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(token_ids)[:, None]).squeeze(-1)
+
+
+def trajectory(policy: Policy, text: str, reward: float, messages=PROMPT) -> Trajectory:
+    """An assistant answer as the engine records it: exact token ids (stop token included) and
+    the logprobs the current policy gives them."""
+    end = policy.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ids = [*policy.tokenizer.encode(text, add_special_tokens=False), end]
+    logprobs = completion_logprobs(policy, ids, messages).tolist()
+    sample = Sample(token_ids=ids, logprobs=logprobs, finish_reason="stop")
+    return Trajectory(
+        messages=[
+            *(Message(role=m["role"], content=m["content"]) for m in messages),
+            Message(role="assistant", content=text, sample=sample),
+        ],
+        reward=reward,
+    )
+
+
+def adapter_weights(policy: Policy) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in policy.named_trainable}
+
+
+def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def scored_groups(policy: Policy) -> list[list[Trajectory]]:
+    """Two groups with unequal rewards and answers of different lengths (so that normalising per
+    sequence, per token or per micro-batch would give different gradients)."""
+    return [
+        [
+            trajectory(policy, "bad cafe", 1.0),
+            trajectory(policy, "the water is cold tonight", 0.0),
+            trajectory(policy, "hide", 0.4),
+        ],
+        [
+            trajectory(policy, "yes", 0.2),
+            trajectory(policy, "a big red car on the road", 0.9),
+            trajectory(policy, "no", 0.2),
+            trajectory(policy, "one two three four five six", 0.7),
+        ],
+    ]
+
+
+# --------------------------------------------------------------------------- one step
+
+
+def test_step_raises_the_better_completion(model_path):
+    policy = make_policy(model_path)
+    good, bad = "bad cafe", "the water is cold"
+    group = [trajectory(policy, good, 1.0), trajectory(policy, bad, 0.0)]
+    good_ids, bad_ids = (list(t.messages[-1].sample.token_ids) for t in group)
+    before = completion_logprobs(policy, good_ids).sum(), completion_logprobs(policy, bad_ids).sum()
+
+    result = policy.train_step([group], TrainConfig(learning_rate=1e-2), max_seq_len=MAX_SEQ_LEN)
+
+    after = completion_logprobs(policy, good_ids).sum(), completion_logprobs(policy, bad_ids).sum()
+    assert result.trained and result.skip_reason is None and result.step == 1
+    assert after[0] > before[0] + 0.1  # the better-rewarded answer became more likely
+    assert after[1] < before[1] - 0.1  # the worse one less likely
+    m = result.metrics
+    assert all(isinstance(v, float) for v in m.values())
+    assert m["groups"] == 1 and m["groups_trained"] == 1 and m["groups_skipped_equal_rewards"] == 0
+    assert m["sequences"] == 2 and m["sequences_dropped"] == 0 and m["sequences_cut"] == 0
+    assert m["tokens_trained"] == len(good_ids) + len(bad_ids)
+    assert m["reward_mean"] == 0.5 and m["reward_std"] == 0.5
+    assert m["ratio_mean"] == pytest.approx(1.0, abs=1e-4)  # old logprobs are the policy's own
+    assert m["grad_norm"] > 0 and m["optimizer_steps"] == 1 and m["step_time_s"] > 0 and m["trained"] == 1
+    assert "kl_mean" not in m
+
+
+def test_equal_reward_groups_are_skipped_and_counted(model_path):
+    policy = make_policy(model_path)
+    groups = [
+        [trajectory(policy, "bad cafe", 0.5), trajectory(policy, "hide", 0.5)],
+        [trajectory(policy, "yes", 1.0), trajectory(policy, "no", 1.0), trajectory(policy, "ok", 1.0)],
+    ]
+    before = adapter_weights(policy)
+
+    result = policy.train_step(groups, TrainConfig(learning_rate=1e-2), max_seq_len=MAX_SEQ_LEN)
+
+    assert not result.trained and result.skip_reason == "all_groups_skipped"
+    assert result.step == 1  # the policy version advances anyway, as ART's
+    m = result.metrics
+    assert m["groups_skipped_equal_rewards"] == 2 and m["groups_trained"] == 0
+    assert m["sequences"] == 0 and m["tokens_trained"] == 0 and m["dropped/zero_advantage"] == 5
+    assert "loss" not in m and "grad_norm" not in m and m["trained"] == 0
+    assert max_difference(before, adapter_weights(policy)) == 0.0
+    assert not policy.optimizer.state  # no optimizer step: no moments either
+
+
+def test_mixed_groups_skip_only_the_equal_ones(model_path):
+    policy = make_policy(model_path)
+    groups = [
+        [trajectory(policy, "bad", 0.3), trajectory(policy, "cafe", 0.3)],
+        [trajectory(policy, "hide", 1.0), trajectory(policy, "no", 0.0)],
+        [trajectory(policy, "alone", 1.0)],
+    ]
+    result = policy.train_step(groups, TrainConfig(learning_rate=1e-3), max_seq_len=MAX_SEQ_LEN)
+    m = result.metrics
+    assert result.trained
+    assert (m["groups"], m["groups_trained"]) == (3, 1)
+    assert (m["groups_skipped_equal_rewards"], m["groups_skipped_too_small"]) == (1, 1)
+    assert m["sequences"] == 2
+
+
+def test_nothing_trainable_is_reported(model_path):
+    policy = make_policy(model_path)
+    no_sample = [
+        Trajectory(
+            messages=[Message(role="user", content="hi"), Message(role="assistant", content=t)], reward=r
+        )
+        for t, r in (("a", 0.0), ("b", 1.0))
+    ]
+    result = policy.train_step([no_sample], TrainConfig(), max_seq_len=MAX_SEQ_LEN)
+    assert not result.trained and result.skip_reason == "no_trainable_sequences"
+    assert result.metrics["sequences_dropped"] == 2 and result.metrics["dropped/no_trainable_message"] == 2
+
+    empty = policy.train_step([], TrainConfig(), max_seq_len=MAX_SEQ_LEN)
+    assert not empty.trained and empty.skip_reason == "no_groups" and empty.step == 2
+
+
+def test_plan_groups_by_hand():
+    t = lambda r: Trajectory(messages=[Message(role="user", content="x")], reward=r)  # noqa: E731
+    # group 1: mean 0.5, population std 0.5 -> advantages ±1 (scaled); group 2: equal
+    plan = plan_groups([[t(1.0), t(0.0)], [t(0.2), t(0.2)]], scale_rewards=True)
+    assert plan.advantages[0] == pytest.approx([1.0, -1.0], abs=1e-5)
+    assert plan.advantages[1] == [0.0, 0.0]
+    assert plan.metrics["reward_mean"] == pytest.approx(0.35)
+    assert plan.metrics["reward_std"] == pytest.approx(0.25)  # (0.5 + 0) / 2
+    with pytest.raises(ValueError, match="finite"):
+        plan_groups([[t(float("nan")), t(1.0)]], scale_rewards=True)
+
+
+# --------------------------------------------------------------------------- micro-batching
+
+
+def record_gradients(policy: Policy) -> dict[str, torch.Tensor]:
+    """The accumulated gradient of each adapter weight at the end of backward, before clipping."""
+    grads: dict[str, torch.Tensor] = {}
+    for name, param in policy.named_trainable:
+        param.register_post_accumulate_grad_hook(lambda p, name=name: grads.__setitem__(name, p.grad.clone()))
+    return grads
+
+
+@pytest.mark.parametrize(
+    ("loss_fn", "kl"), [("grpo", 0.0), ("dapo", 0.0), ("cispo", 0.0), ("dr_grpo", 0.0), ("grpo", 0.05)]
+)
+def test_micro_batches_give_the_same_update(model_path, loss_fn, kl):
+    config = TrainConfig(learning_rate=1e-2, loss_fn=loss_fn, kl_penalty_coef=kl)
+    metrics, grads, weights = [], [], []
+    for micro_batch_size in (1, 64):  # 7 sequences of different lengths: one each, or all at once
+        policy = make_policy(model_path, micro_batch_size=micro_batch_size)
+        groups = scored_groups(policy)
+        if kl:  # move the adapter off the base model first, so that the KL term has a gradient
+            policy.train_step(groups, TrainConfig(learning_rate=1e-2), max_seq_len=MAX_SEQ_LEN)
+        grads.append(record_gradients(policy))
+        metrics.append(policy.train_step(groups, config, max_seq_len=MAX_SEQ_LEN).metrics)
+        weights.append(adapter_weights(policy))
+    one, many = metrics
+    for key in ("loss", "grad_norm", "ratio_mean", "clip_fraction", "tokens_trained", "sequences"):
+        assert one[key] == pytest.approx(many[key], rel=1e-5, abs=1e-7), key
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) == len(policy.named_trainable)
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-5, atol=1e-7)
+    # Adam divides by sqrt(v): weights whose gradient is ~0 amplify float noise, so the weights
+    # agree less tightly than the gradients, and less on a second step (the KL case) than a first.
+    assert max_difference(*weights) < (1e-4 if kl else 1e-5)
+    if kl:
+        assert one["kl_mean"] > 0 and one["kl_mean"] == pytest.approx(many["kl_mean"], rel=1e-5)
+
+
+def test_grad_accumulation_sequences_splits_the_step(model_path):
+    policy = make_policy(model_path, micro_batch_size=2)
+    groups = scored_groups(policy)
+    config = TrainConfig(learning_rate=1e-3, grad_accumulation_sequences=3)
+    result = policy.train_step(groups, config, max_seq_len=MAX_SEQ_LEN)
+    assert result.trained and result.metrics["optimizer_steps"] == 3  # 7 sequences: 3 + 3 + 1
+    assert max(float(s["step"]) for s in policy.optimizer.state.values()) == 3
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def test_save_restore_resumes_exactly(model_path, tmp_path):
+    config = TrainConfig(learning_rate=1e-2, loss_fn="grpo")
+    policy = make_policy(model_path, micro_batch_size=3)
+    first, second = scored_groups(policy), scored_groups(policy)[::-1]
+    policy.train_step(first, config, max_seq_len=MAX_SEQ_LEN)
+    checkpoint = policy.save(tmp_path / "ckpt")
+    saved = adapter_weights(policy)
+
+    policy.train_step(second, config, max_seq_len=MAX_SEQ_LEN)  # the run that was never interrupted
+    uninterrupted = adapter_weights(policy)
+
+    restored = Policy.restore(checkpoint, model_path, LoraSettings(), OptimSettings(micro_batch_size=3))
+    assert restored.step == 1
+    assert max_difference(saved, adapter_weights(restored)) == 0.0
+    result = restored.train_step(second, config, max_seq_len=MAX_SEQ_LEN)
+    assert result.step == 2
+    assert max_difference(uninterrupted, adapter_weights(restored)) < 1e-6
+    assert max_difference(uninterrupted, saved) > 1e-3  # the step did move the weights
+
+    # Without the optimizer's moments the same step lands elsewhere: they are what makes it exact.
+    amnesiac = make_policy(model_path, micro_batch_size=3)
+    amnesiac.load_adapter_weights(checkpoint / "adapter")
+    amnesiac.train_step(second, config, max_seq_len=MAX_SEQ_LEN)
+    assert max_difference(uninterrupted, adapter_weights(amnesiac)) > 1e-4
+
+    moments = load_file(checkpoint / "optimizer.safetensors")
+    names = json.loads((checkpoint / "optimizer.json").read_text())["param_names"]
+    assert names == [n for n, _ in policy.named_trainable]
+    for index in range(len(names)):
+        assert {f"{index}.exp_avg", f"{index}.exp_avg_sq", f"{index}.step"} <= moments.keys()
+    assert float(moments["0.step"]) == 1.0
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    assert state["step"] == 1 and state["optimizer_steps"] == 1 and state["seed"] == 0
+    assert state["lora"]["target_modules"][-1] == "lm_head"
+    assert not [p for p in checkpoint.rglob("*") if p.suffix in (".bin", ".pt", ".pth", ".pkl")]
+
+
+def test_restore_refuses_other_lora_settings(model_path, tmp_path):
+    policy = make_policy(model_path)
+    policy.save(tmp_path / "ckpt")
+    with pytest.raises(ValueError, match="LoRA"):
+        Policy.restore(tmp_path / "ckpt", model_path, LoraSettings(rank=4), OptimSettings())
+    with pytest.raises(FileNotFoundError):
+        Policy.restore(tmp_path / "nothing", model_path, LoraSettings(), OptimSettings())
+
+
+def test_save_replaces_a_checkpoint_whole(model_path, tmp_path):
+    policy = make_policy(model_path)
+    policy.save(tmp_path / "ckpt")
+    policy.train_step(scored_groups(policy), TrainConfig(learning_rate=1e-3), max_seq_len=MAX_SEQ_LEN)
+    policy.save(tmp_path / "ckpt")
+    assert json.loads((tmp_path / "ckpt" / "trainer_state.json").read_text())["step"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no partial or old copies left
+
+
+def test_optimizer_state_round_trips_without_pickle():
+    params = [torch.nn.Parameter(torch.randn(3, 2)), torch.nn.Parameter(torch.randn(4))]
+    optimizer = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
+    (params[0].sum() + params[1].pow(2).sum()).backward()
+    optimizer.step()
+    tensors, structure = flatten_optimizer_state(optimizer.state_dict(), ["a", "b"])
+    assert set(tensors) == {f"{i}.{k}" for i in (0, 1) for k in ("step", "exp_avg", "exp_avg_sq")}
+    json.dumps(structure)  # the rest is plain JSON
+    back = unflatten_optimizer_state(tensors, json.loads(json.dumps(structure)))
+    assert back["param_groups"] == optimizer.state_dict()["param_groups"]
+    for index, entries in optimizer.state_dict()["state"].items():
+        for key, value in entries.items():
+            assert torch.equal(back["state"][index][key], value)
+
+
+async def test_saved_adapter_loads_in_the_inference_engine(model_path, tmp_path):
+    policy = make_policy(model_path)
+    for _ in range(3):
+        policy.train_step(scored_groups(policy), TrainConfig(learning_rate=1e-2), max_seq_len=MAX_SEQ_LEN)
+    checkpoint = policy.save(tmp_path / "ckpt")
+    adapter = policy.adapter_dir(checkpoint)
+    assert adapter == checkpoint / "adapter"
+    files = {p.name for p in adapter.iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= files
+    assert not [f for f in files if f.endswith(".bin")]
+    # Only LoRA weights: the frozen (tied) lm_head of the base model is not copied into the adapter.
+    assert all("lora_" in k for k in load_file(adapter / "adapter_model.safetensors"))
+
+    engine = TransformersEngine(model_path)
+    await engine.start()
+    try:
+        await engine.load_adapter("tiny@1", adapter)
+        params = SamplingParams(max_tokens=8, temperature=1.0, logprobs=True, seed=7)
+        prompt = prompt_ids(policy)
+        (tuned,) = await engine.generate(GenerationRequest(prompt, params, adapter="tiny@1"))
+        (base,) = await engine.generate(GenerationRequest(prompt, params, adapter=None))
+    finally:
+        await engine.close()
+    policy.model.eval()
+    served = torch.tensor(tuned.logprobs)
+    assert completion_logprobs(policy, tuned.token_ids) == pytest.approx(served, abs=1e-4)
+    with policy.model.disable_adapter():
+        base_view = completion_logprobs(policy, tuned.token_ids)
+    assert (base_view - served).abs().max() > 1e-2  # the engine served the adapter, not the base model
+    assert base.logprobs  # and the base model is still there
+
+
+# --------------------------------------------------------------------------- learning
+
+
+def test_learns_the_half_alphabet_task(model_path):
+    """Sampled with model.generate (2 groups x 8 samples of <= 8 tokens at temperature 1), rewarded
+    by the share of characters in a-m: mean reward from ~0.4 to >= 0.8 within 60 steps."""
+    torch.manual_seed(0)
+    policy = make_policy(model_path, micro_batch_size=16)
+    config = TrainConfig(learning_rate=1e-2, loss_fn="cispo")
+    curve = []
+    for _ in range(60):
+        policy.model.eval()
+        groups = [
+            sample_trajectories(
+                policy.model,
+                policy.tokenizer,
+                half_alphabet_task_prompt(),
+                half_alphabet_reward,
+                n=8,
+                max_new_tokens=8,
+            )
+            for _ in range(2)
+        ]
+        result = policy.train_step(groups, config, max_seq_len=MAX_SEQ_LEN)
+        curve.append(round(result.metrics["reward_mean"], 3))
+        if curve[-1] >= 0.8:
+            break
+    print("half-alphabet reward by step:", curve)
+    assert curve[0] < 0.6
+    assert curve[-1] >= 0.8, curve
