@@ -11,7 +11,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[cpu,reward,dev]'
+	$(PY) -m pip install -q -e '.[cpu,reward,plot,dev]'
 	touch $(STAMP)
 
 demo: setup

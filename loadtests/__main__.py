@@ -8,11 +8,12 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
-from loadtests import inference, ingest, loop
+from loadtests import inference, ingest, loop, trainer_step
 
 BENCHMARKS: dict[str, Callable[[list[str]], dict]] = {
     "ingest": ingest.main,
     "inference": inference.main,
+    "trainer_step": trainer_step.main,
     "loop": loop.main,
 }
 

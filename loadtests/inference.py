@@ -36,6 +36,7 @@ import json
 import os
 import platform
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -109,8 +110,16 @@ def summary_ms(seconds: list[float]) -> dict[str, float]:
 # --- throughput -----------------------------------------------------------------------------
 
 
-async def chat_round(client: httpx.AsyncClient, url: str, batch, max_tokens: int) -> tuple[float, int, list]:
-    """Send every prompt at once; (seconds until the last answer, completion tokens, latencies)."""
+@dataclass
+class Round:
+    seconds: float
+    tokens: int
+    #: Per-request latencies (HTTP only).
+    latencies: list[float]
+
+
+async def chat_round(client: httpx.AsyncClient, url: str, batch, max_tokens: int) -> Round:
+    """Send every prompt at once; the time until the last answer, and the completion tokens."""
 
     async def one(messages) -> tuple[int, float]:
         started = time.perf_counter()
@@ -123,73 +132,37 @@ async def chat_round(client: httpx.AsyncClient, url: str, batch, max_tokens: int
 
     started = time.perf_counter()
     results = await asyncio.gather(*(one(m) for m in batch))
-    return time.perf_counter() - started, sum(r[0] for r in results), [r[1] for r in results]
+    return Round(time.perf_counter() - started, sum(r[0] for r in results), [r[1] for r in results])
 
 
-async def measure_service(url: str, config: Config, meter: CpuMeter) -> dict:
-    batch = prompts(config.concurrency)
-    limits = httpx.Limits(max_connections=config.concurrency, max_keepalive_connections=config.concurrency)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        await chat_round(client, url, batch, config.max_tokens)  # warm-up: connections, first batch
-        before = meter.snapshot()
-        rounds = [await chat_round(client, url, batch, config.max_tokens) for _ in range(config.rounds)]
-        cpu = CpuMeter.delta(before, meter.snapshot())
-    return throughput(rounds, config, cpu) | {
-        "request_latency": summary_ms([lat for r in rounds for lat in r[2]])
-    }
-
-
-def throughput(rounds: list[tuple], config: Config, cpu: dict) -> dict:
-    seconds = sum(r[0] for r in rounds)
-    tokens = sum(r[1] for r in rounds)
-    requests = config.concurrency * len(rounds)
-    return {
-        "rounds": len(rounds),
-        "requests": requests,
-        "completion_tokens": tokens,
-        "seconds": round(seconds, 3),
-        "tokens_per_s": round(tokens / seconds, 1),
-        "requests_per_s": round(requests / seconds, 2),
-        "cpu_s": cpu,
-    }
-
-
-async def measure_engine(model_path: str, config: Config, meter: CpuMeter) -> dict:
+class InProcessEngine:
     """The replica's engine in this process, without HTTP: every request submitted in one tick."""
-    from artery.services.inference.engine.base import GenerationRequest, SamplingParams
-    from artery.services.inference.engine.transformers_engine import TransformersEngine
 
-    engine = TransformersEngine(model_path)  # the replica's defaults (max_batch_size 16)
-    await engine.start()
-    try:
+    def __init__(self, model_path: str):
+        from artery.services.inference.engine.transformers_engine import TransformersEngine
+
+        self.engine = TransformersEngine(model_path)  # the replica's defaults (max_batch_size 16)
+
+    async def start(self, config: Config) -> None:
+        from artery.services.inference.engine.base import GenerationRequest, SamplingParams
+
+        await self.engine.start()
         params = SamplingParams(max_tokens=config.max_tokens, temperature=1.0)
-        requests = [
+        template = self.engine.tokenizer.apply_chat_template
+        self.requests = [
             GenerationRequest(
-                list(
-                    engine.tokenizer.apply_chat_template(m, add_generation_prompt=True, return_dict=True)[
-                        "input_ids"
-                    ]
-                ),
-                params,
+                list(template(m, add_generation_prompt=True, return_dict=True)["input_ids"]), params
             )
             for m in prompts(config.concurrency)
         ]
 
-        async def one_round() -> tuple[float, int, list]:
-            started = time.perf_counter()
-            results = await asyncio.gather(*(engine.generate(r) for r in requests))
-            return time.perf_counter() - started, sum(len(c[0].token_ids) for c in results), []
+    async def round(self) -> Round:
+        started = time.perf_counter()
+        results = await asyncio.gather(*(self.engine.generate(r) for r in self.requests))
+        return Round(time.perf_counter() - started, sum(len(c[0].token_ids) for c in results), [])
 
-        await one_round()  # warm-up
-        stats_before = (engine.stats.batches, engine.stats.forward_passes)
-        before = meter.snapshot()
-        rounds = [await one_round() for _ in range(config.rounds)]
-        cpu = CpuMeter.delta(before, meter.snapshot())
-        batches = engine.stats.batches - stats_before[0]
-        passes = engine.stats.forward_passes - stats_before[1]
-    finally:
-        await engine.close()
-    return throughput(rounds, config, cpu) | {"batches": batches, "forward_passes": passes}
+    async def close(self) -> None:
+        await self.engine.close()
 
 
 class HFBaseline:
@@ -203,7 +176,6 @@ class HFBaseline:
         hf_logging.disable_progress_bar()  # "Loading weights" bars on stderr, in this process only
         if threads:
             torch.set_num_threads(threads)  # this process: the in-process engine and generate()
-
         self.torch = torch
         self.model_path = model_path
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -211,11 +183,10 @@ class HFBaseline:
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
         eos = self.model.generation_config.eos_token_id
         self.eos_ids = {eos} if isinstance(eos, int) else set(eos or [self.tokenizer.eos_token_id])
-        self.pad_id = (
-            self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos_ids)
-        )
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else min(self.eos_ids)
 
-    def round(self, batch, max_new_tokens: int) -> tuple[float, int, list]:
+    def round(self, batch, max_new_tokens: int) -> Round:
         started = time.perf_counter()
         inputs = self.tokenizer.apply_chat_template(
             batch, add_generation_prompt=True, padding=True, return_tensors="pt", return_dict=True
@@ -233,17 +204,66 @@ class HFBaseline:
         elapsed = time.perf_counter() - started
         tokens = 0
         for row in out[:, inputs["input_ids"].shape[1] :].tolist():
-            end = next((i + 1 for i, t in enumerate(row) if t in self.eos_ids), len(row))
-            tokens += end
-        return elapsed, tokens, []
+            tokens += next((i + 1 for i, t in enumerate(row) if t in self.eos_ids), len(row))
+        return Round(elapsed, tokens, [])
 
-    def measure(self, config: Config, meter: CpuMeter) -> dict:
-        batch = prompts(config.concurrency)
-        self.round(batch, config.max_tokens)  # warm-up
-        before = meter.snapshot()
-        rounds = [self.round(batch, config.max_tokens) for _ in range(config.rounds)]
-        cpu = CpuMeter.delta(before, meter.snapshot())
-        return throughput(rounds, config, cpu) | {"torch_threads": self.torch.get_num_threads()}
+
+async def measure_throughput(url: str, baseline: HFBaseline, config: Config, meter: CpuMeter) -> dict:
+    """Rounds of the three contenders, interleaved: a burst of other load on the machine hits all
+    three alike instead of whichever happened to run then. One warm-up round each is not timed."""
+    batch = prompts(config.concurrency)
+    engine = InProcessEngine(baseline.model_path)
+    limits = httpx.Limits(max_connections=config.concurrency, max_keepalive_connections=config.concurrency)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        await engine.start(config)
+        try:
+
+            async def hf_round() -> Round:  # blocks the loop, which has nothing else to do meanwhile
+                return baseline.round(batch, config.max_tokens)
+
+            contenders = {
+                "artery_http": lambda: chat_round(client, url, batch, config.max_tokens),
+                "engine_in_process": engine.round,
+                "hf_generate": hf_round,
+            }
+            rounds: dict[str, list[Round]] = {name: [] for name in contenders}
+            cpu: dict[str, dict[str, float]] = {name: {} for name in contenders}
+            for contender in contenders.values():
+                await contender()  # warm-up
+            for _ in range(config.rounds):
+                for name, contender in contenders.items():
+                    before = meter.snapshot()
+                    rounds[name].append(await contender())
+                    for part, seconds in CpuMeter.delta(before, meter.snapshot()).items():
+                        cpu[name][part] = round(cpu[name].get(part, 0.0) + seconds, 2)
+            stats = engine.engine.stats
+        finally:
+            await engine.close()
+    out = {name: throughput(rounds[name], config, cpu[name]) for name in contenders}
+    out["artery_http"]["request_latency"] = summary_ms(
+        [t for r in rounds["artery_http"] for t in r.latencies]
+    )
+    # Counted over the warm-up round too: how many batches a round of requests became.
+    out["engine_in_process"]["batches_per_round"] = round(stats.batches / (config.rounds + 1), 2)
+    out["hf_generate"]["torch_threads"] = baseline.torch.get_num_threads()
+    return out
+
+
+def throughput(rounds: list[Round], config: Config, cpu: dict) -> dict:
+    seconds = sum(r.seconds for r in rounds)
+    tokens = sum(r.tokens for r in rounds)
+    requests = config.concurrency * len(rounds)
+    return {
+        "rounds": len(rounds),
+        "requests": requests,
+        "completion_tokens": tokens,
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(tokens / seconds, 1),
+        "requests_per_s": round(requests / seconds, 2),
+        # The median round resists a burst of other load better than the total does.
+        "median_round_tokens_per_s": round(statistics.median(r.tokens / r.seconds for r in rounds), 1),
+        "cpu_s": cpu,
+    }
 
 
 # --- pause / resume -------------------------------------------------------------------------
@@ -405,9 +425,7 @@ async def run(config: Config, stack: Stack, baseline: HFBaseline, adapter: bytes
         await bus.provision(nc.jetstream(), CommonSettings(nats_url=stack.nats_url))
         urls = await replica_urls(nc)
         meter = CpuMeter(stack)
-        ours = await measure_service(urls[REPLICAS[0]], config, meter)
-        engine = await measure_engine(baseline.model_path, config, meter)
-        hf = baseline.measure(config, meter)
+        measured = await measure_throughput(urls[REPLICAS[0]], baseline, config, meter)
         pause = await measure_pause(nc, config, urls[REPLICAS[0]])
         adapters = await measure_adapter_load(nc.jetstream(), urls, config, adapter)
     finally:
@@ -432,15 +450,19 @@ async def run(config: Config, stack: Stack, baseline: HFBaseline, adapter: bytes
             "quick": config.quick,
         },
         "throughput": {
-            "artery_http": ours,
-            "engine_in_process": engine,
-            "hf_generate": hf,
-            "ratio_tokens_per_s": round(ours["tokens_per_s"] / hf["tokens_per_s"], 3),
-            "ratio_engine_tokens_per_s": round(engine["tokens_per_s"] / hf["tokens_per_s"], 3),
+            **measured,
+            "ratio_tokens_per_s": _ratio(measured, "artery_http", "tokens_per_s"),
+            "ratio_engine_tokens_per_s": _ratio(measured, "engine_in_process", "tokens_per_s"),
+            "ratio_median_round": _ratio(measured, "artery_http", "median_round_tokens_per_s"),
+            "ratio_engine_median_round": _ratio(measured, "engine_in_process", "median_round_tokens_per_s"),
         },
         "pause": pause,
         "adapter_load": adapters,
     }
+
+
+def _ratio(measured: dict, name: str, key: str) -> float:
+    return round(measured[name][key] / measured["hf_generate"][key], 3)
 
 
 def table(rows: list[tuple[str, ...]], right: set[int]) -> list[str]:
@@ -455,13 +477,12 @@ def _ms(s: dict) -> tuple[str, str, str]:
     return f"{s['p50']:,.1f}", f"{s['p99']:,.1f}", f"{s['max']:,.1f}"
 
 
-def _load_warning(cpu: dict, seconds: float, cores: int | None, threads: object) -> list[str]:
-    other = cpu.get("other", 0.0)
+def _load_warning(other: float, seconds: float, cores: int | None, threads: object) -> list[str]:
     share = other / ((cores or 1) * seconds) if seconds else 0.0
     if share <= OTHER_LOAD_WARNING or other < 0.5:
         return []
     return [
-        f"WARNING: other processes used {other:.1f} CPU-s ({share:.0%} of the machine) during the artery "
+        f"WARNING: other processes used {other:.1f} CPU-s ({share:.0%} of the machine) during the timed "
         "rounds: the figures are lower than this machine can do"
         + (
             "; torch threads that wait on each other slow down badly when a core is taken (try --threads 1)."
@@ -474,34 +495,42 @@ def _load_warning(cpu: dict, seconds: float, cores: int | None, threads: object)
 def render(result: dict) -> str:
     c, m, t, p, a = (result[k] for k in ("config", "machine", "throughput", "pause", "adapter_load"))
     ours, eng, hf = t["artery_http"], t["engine_in_process"], t["hf_generate"]
-    rows = [
-        ("throughput", "tokens/s", "requests/s", "tokens", "seconds", "what it includes"),
+    includes = {
+        "artery_http": "HTTP + JSON, chat template, scheduler, decode, token ids",
+        "engine_in_process": f"same engine, no HTTP: {eng['batches_per_round']} batches a round",
+        "hf_generate": f"one batched call a round, in-process, {hf['torch_threads']} torch threads",
+    }
+    labels = {
+        "artery_http": "artery, 1 replica, HTTP",
+        "engine_in_process": "engine in-process",
+        "hf_generate": "HF model.generate",
+    }
+    rows = [("throughput", "tokens/s", "median round", "requests/s", "tokens", "seconds", "what it includes")]
+    for name, label in labels.items():
+        f = t[name]
+        rows.append(
+            (
+                label,
+                f"{f['tokens_per_s']:,.0f}",
+                f"{f['median_round_tokens_per_s']:,.0f}",
+                f"{f['requests_per_s']:,.1f}",
+                f"{f['completion_tokens']:,}",
+                f"{f['seconds']:.2f}",
+                includes[name],
+            )
+        )
+    rows += [
+        ("artery HTTP / generate", f"{t['ratio_tokens_per_s']:.2f}", f"{t['ratio_median_round']:.2f}"),
         (
-            "artery, 1 replica, HTTP",
-            f"{ours['tokens_per_s']:,.0f}",
-            f"{ours['requests_per_s']:,.1f}",
-            f"{ours['completion_tokens']:,}",
-            f"{ours['seconds']:.2f}",
-            "HTTP + JSON, chat template, scheduler, decode, token ids",
+            "engine / generate",
+            f"{t['ratio_engine_tokens_per_s']:.2f}",
+            f"{t['ratio_engine_median_round']:.2f}",
         ),
-        (
-            "engine in-process",
-            f"{eng['tokens_per_s']:,.0f}",
-            f"{eng['requests_per_s']:,.1f}",
-            f"{eng['completion_tokens']:,}",
-            f"{eng['seconds']:.2f}",
-            f"same engine, no HTTP: {eng['batches']} batches, {eng['forward_passes']} forward passes",
-        ),
-        (
-            "HF model.generate",
-            f"{hf['tokens_per_s']:,.0f}",
-            f"{hf['requests_per_s']:,.1f}",
-            f"{hf['completion_tokens']:,}",
-            f"{hf['seconds']:.2f}",
-            f"one batched call a round, in-process, {hf['torch_threads']} torch threads",
-        ),
-        ("artery HTTP / generate", f"{t['ratio_tokens_per_s']:.2f}", "", "", "", "tokens/s"),
-        ("engine / generate", f"{t['ratio_engine_tokens_per_s']:.2f}", "", "", "", "tokens/s"),
+    ]
+    rows = [r + ("",) * (7 - len(r)) for r in rows]
+    cpu_lines = [
+        f"  {labels[name]}: " + ", ".join(f"{k} {v:.2f}" for k, v in t[name]["cpu_s"].items() if v)
+        for name in labels
     ]
     lat = ours["request_latency"]
     latency = [
@@ -542,7 +571,6 @@ def render(result: dict) -> str:
     )
     if a["later_everywhere"]:
         latency.append(("  after the first", *_ms(a["later_everywhere"]), ""))
-    cpu = ours["cpu_s"]
     return "\n".join(
         [
             f"inference: {c['base_model']}, {c['concurrency']} concurrent requests x {c['rounds']} rounds, "
@@ -551,10 +579,16 @@ def render(result: dict) -> str:
             f"machine: {m['cpu_count']} CPUs (load {m['load_average_1m_before']} before), "
             f"Python {m['python']}, device {m['device']}, torch threads {m['torch_threads']}",
             "",
-            *table(rows, right={1, 2, 3, 4}),
+            *table(rows, right={1, 2, 3, 4, 5}),
             "",
-            "CPU seconds during the artery rounds: " + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items()),
-            *_load_warning(cpu, ours["seconds"], m["cpu_count"], m["torch_threads"]),
+            "CPU seconds during the timed rounds:",
+            *cpu_lines,
+            *_load_warning(
+                sum(t[n]["cpu_s"].get("other", 0.0) for n in labels),
+                sum(t[n]["seconds"] for n in labels),
+                m["cpu_count"],
+                m["torch_threads"],
+            ),
             "",
             *table(latency, right={1, 2, 3}),
         ]
