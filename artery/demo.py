@@ -25,23 +25,7 @@ from pathlib import Path
 
 import artery as art
 from artery.shared.models import TINY
-from artery.testing.tasks import half_alphabet_reward, half_alphabet_task_prompt
-
-
-async def rollout(model: art.TrainableModel, max_tokens: int) -> art.Trajectory:
-    messages = half_alphabet_task_prompt()
-    response = await model.openai_client().chat.completions.create(
-        model=model.get_inference_name(),
-        messages=messages,
-        max_tokens=max_tokens,
-        temperature=1.0,
-        logprobs=True,
-    )
-    choice = response.choices[0]
-    text = choice.message.content or ""
-    return art.Trajectory(
-        messages_and_choices=[*messages, choice], reward=half_alphabet_reward(text), metadata={"answer": text}
-    )
+from artery.testing.agents import half_alphabet_rollout
 
 
 def plot(curve: list[dict], path: Path) -> bool:
@@ -80,14 +64,15 @@ async def run(args: argparse.Namespace) -> dict:
     await model.register(backend)
     print(f"up in {time.monotonic() - started:.1f}s; serving {model.name} at {model.inference_base_url}")
     curve: list[dict] = []
+
+    def rollout():
+        return half_alphabet_rollout(model, max_tokens=args.max_tokens)
+
     try:
         for _ in range(args.steps):
             step = await model.get_step()
             groups = await art.gather_trajectory_groups(
-                (
-                    art.TrajectoryGroup(rollout(model, args.max_tokens) for _ in range(args.group_size))
-                    for _ in range(args.groups)
-                ),
+                (art.TrajectoryGroup(rollout() for _ in range(args.group_size)) for _ in range(args.groups)),
                 pbar_desc=f"step {step:>3} rollouts",
             )
             reward = statistics.fmean(t.reward for g in groups for t in g)
@@ -105,11 +90,7 @@ async def run(args: argparse.Namespace) -> dict:
                 flush=True,
             )
         final = await art.gather_trajectory_groups(
-            [
-                art.TrajectoryGroup(
-                    rollout(model, args.max_tokens) for _ in range(args.group_size * args.groups)
-                )
-            ],
+            [art.TrajectoryGroup(rollout() for _ in range(args.group_size * args.groups))],
             pbar_desc="final rollouts",
         )
         end_reward = statistics.fmean(t.reward for t in final[0])

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from artery.shared.embedded import NatsServer, PostgresServer, postgres_bin_dir
+from artery.shared.embedded import NatsServer, PostgresServer, postgres_bin_dir, stop_process
 
 #: Every model-independent service, in start order. Inference replicas serve one model each and
 #: are started per model (``LocalBackend.register``, ``artery up --serve``).
@@ -74,16 +74,7 @@ class ServiceProcess:
             self.proc.send_signal(sig)
 
     def stop(self, timeout: float = 15.0) -> int | None:
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return stop_process(self.proc, signal.SIGTERM, timeout)
 
 
 @dataclass

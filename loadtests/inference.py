@@ -7,14 +7,17 @@ replicas (``python -m artery.services.inference``, transformers engine, CPU unle
 What is measured:
 
 - throughput: rounds of ``--concurrency`` chat requests sent at once to ONE replica through its
-  HTTP API (httpx, JSON in and out, ``max_tokens``, temperature 1, distinct prompts), next to
-  Hugging Face ``model.generate`` in this process on the same weights: one batched, left-padded
-  call per round with the same prompts (chat template applied), sampling at temperature 1 (no
-  top-k, no top-p) with the same ``max_new_tokens``. Ours includes HTTP, JSON, the API's
-  validation, tokenization, scheduling and per-token logprobs; ``generate`` includes only the
-  forward passes, sampling and its own bookkeeping. Tokens are the sampled ones (up to and
-  including an end-of-sequence token), counted from ``usage`` for ours and from the output for
-  ``generate``. One warm-up round each is not timed.
+  HTTP API (httpx, JSON in and out, ``max_tokens``, temperature 1, distinct prompts), next to the
+  same engine class in this process without HTTP (every request submitted in one tick, so one
+  batch a round) and Hugging Face ``model.generate`` in this process on the same weights: one
+  batched, left-padded call a round with the same prompts (chat template applied), sampling at
+  temperature 1 (no top-k, no top-p) with the same ``max_new_tokens``. The replica's figure
+  includes HTTP, JSON, the API's validation, the chat template, its scheduler (which batches the
+  requests waiting when a batch starts) and the sampled token ids it returns; ``generate``
+  includes only the forward passes, sampling and its own bookkeeping. Tokens are the sampled ones
+  (up to and including an end-of-sequence token), counted from ``usage`` for the replica and from
+  the output otherwise. Rounds of the three run interleaved, after one warm-up round each, so a
+  burst of other load hits all three alike; the median round is reported beside the total.
 - pause: ``pause_replicas`` / ``resume_replicas`` (the trainer's own calls) over both replicas,
   idle: the call's wall time (reading the live replicas from KV, then the scatter-gather) and the
   scatter-gather alone (request published until every ack is in). Then pauses sent while a
@@ -24,7 +27,10 @@ What is measured:
   (polled every 10 ms): fetch, sha256 check, unpack, load into the engine.
 
 Everything shares the machine's cores (this process, both replicas, nats-server); the CPU seconds
-each part used are reported, with what other processes on the machine used meanwhile.
+each part used are reported, with what other processes on the machine used meanwhile. torch uses
+every core for each forward pass unless ``--threads`` says otherwise (``OMP_NUM_THREADS`` for the
+replicas, ``torch.set_num_threads`` here): with a small model on a machine that other work
+shares, threads that wait on each other are the first thing to slow down.
 """
 
 from __future__ import annotations

@@ -236,6 +236,11 @@ async def run(config: Config, home: Path) -> dict:
     }
 
 
+def _spread(seconds: list[float]) -> tuple[str, str, str]:
+    ms = [s * 1000 for s in seconds]
+    return f"{statistics.median(ms):,.1f}", f"{min(ms):,.1f}", f"{max(ms):,.1f}"
+
+
 def render(result: dict) -> str:
     c, mean, share = result["config"], result["mean_s"], result["share"]
     its = result["iterations"]
@@ -249,7 +254,7 @@ def render(result: dict) -> str:
         "trainer_other": "trainer other",
         "until_served": "until served",
     }
-    rows = [("part", "mean ms", "share", "min ms", "max ms")]
+    rows = [("part", "mean ms", "share", "median ms", "min ms", "max ms")]
     for part in PARTS:
         values = [it[part] * 1000 for it in its]
         rows.append(
@@ -257,20 +262,25 @@ def render(result: dict) -> str:
                 labels[part],
                 f"{mean[part] * 1000:,.1f}",
                 f"{share[part]:.1%}",
+                f"{statistics.median(values):,.1f}",
                 f"{min(values):,.1f}",
                 f"{max(values):,.1f}",
             )
         )
     rows += [
-        ("iteration", f"{mean['total'] * 1000:,.1f}", "100.0%", "", ""),
+        ("iteration", f"{mean['total'] * 1000:,.1f}", "100.0%", *_spread([it["total"] for it in its])),
         (
             "  model.train()",
             f"{mean['train_call'] * 1000:,.1f}",
             f"{mean['train_call'] / mean['total']:.1%}",
-            "",
-            "",
+            *_spread([it["train_call"] for it in its]),
         ),
-        ("  rest: train() - pause/train/save", f"{mean['rest'] * 1000:,.1f}", f"{share['rest']:.1%}", "", ""),
+        (
+            "  rest: train() - pause/train/save",
+            f"{mean['rest'] * 1000:,.1f}",
+            f"{share['rest']:.1%}",
+            *_spread([it["rest"] for it in its]),
+        ),
     ]
     rewards = ", ".join(f"{it['reward_mean']:.2f}" for it in its)
     return "\n".join(
@@ -283,7 +293,7 @@ def render(result: dict) -> str:
             f"(load {result['machine']['load_average_1m_before']} before); "
             f"stack + replica started in {result['startup_s']:.1f} s",
             "",
-            *table(rows, right={1, 2, 3, 4}),
+            *table(rows, right={1, 2, 3, 4, 5}),
             "",
             f"mean reward per iteration: {rewards}",
         ]

@@ -19,6 +19,19 @@ from artery.shared.logs import get_logger
 log = get_logger(__name__)
 
 MIGRATION_LOCK_ID = 0x417274657279  # "Artery"
+
+#: What a lost database connection looks like from asyncpg: a service retries later (nak with
+#: delay, back off) and never dead-letters the message it was working on.
+DATABASE_UNAVAILABLE: tuple[type[BaseException], ...] = (
+    OSError,
+    asyncpg.exceptions.ConnectionDoesNotExistError,
+    asyncpg.exceptions.CannotConnectNowError,
+    asyncpg.exceptions.InterfaceError,
+    asyncpg.exceptions.AdminShutdownError,
+    asyncpg.exceptions.CrashShutdownError,
+    asyncpg.exceptions.ConnectionFailureError,
+    asyncio.TimeoutError,
+)
 _NAME = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
 
 

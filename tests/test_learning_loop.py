@@ -11,30 +11,25 @@ import pytest
 import artery as art
 from artery.shared.control_client import live_replicas
 from artery.shared.models import TINY
-from artery.testing.tasks import half_alphabet_reward, half_alphabet_task_prompt
+from artery.testing.agents import half_alphabet_rollout
+from artery.testing.tasks import half_alphabet_task_prompt
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 GROUPS_PER_STEP, GROUP_SIZE, MAX_TOKENS = 2, 8, 8
 
 
-async def rollout(model: art.TrainableModel) -> art.Trajectory:
-    messages = half_alphabet_task_prompt()
-    response = await model.openai_client().chat.completions.create(
-        model=model.get_inference_name(),
-        messages=messages,
-        max_tokens=MAX_TOKENS,
-        temperature=1.0,
-        logprobs=True,
-    )
-    choice = response.choices[0]
-    return art.Trajectory(
-        messages_and_choices=[*messages, choice], reward=half_alphabet_reward(choice.message.content or "")
-    )
+def rollout(model: art.TrainableModel):
+    return half_alphabet_rollout(model, max_tokens=MAX_TOKENS)
 
 
 async def gather(model: art.TrainableModel) -> list[art.TrajectoryGroup]:
     return await art.gather_trajectory_groups(
-        (art.TrajectoryGroup(rollout(model) for _ in range(GROUP_SIZE)) for _ in range(GROUPS_PER_STEP)),
+        (
+            art.TrajectoryGroup(
+                half_alphabet_rollout(model, max_tokens=MAX_TOKENS) for _ in range(GROUP_SIZE)
+            )
+            for _ in range(GROUPS_PER_STEP)
+        ),
         pbar_desc="rollouts",
     )
 

@@ -23,7 +23,7 @@ from artery.services.collector.validate import decode_group
 from artery.shared import subjects
 from artery.shared.bus import CONTENT_TYPE, prepare, publish_prepared
 from artery.shared.consumer import ConsumerOptions, DurableConsumer
-from artery.shared.db import create_pool
+from artery.shared.db import DATABASE_UNAVAILABLE, create_pool
 from artery.shared.errors import DependencyUnavailable, InvalidMessage
 from artery.shared.logs import get_logger
 from artery.shared.tracing import extract, tracer
@@ -32,17 +32,7 @@ log = get_logger(__name__)
 SERVICE = "collector"
 _READY_NAMESPACE = uuid.UUID("0d3c7f55-2a5e-4b1e-8f3a-726561647921")
 
-# What a lost database connection looks like from asyncpg: retry later, never dead-letter.
-_DB_DOWN = (
-    OSError,
-    asyncpg.exceptions.ConnectionDoesNotExistError,
-    asyncpg.exceptions.CannotConnectNowError,
-    asyncpg.exceptions.InterfaceError,
-    asyncpg.exceptions.AdminShutdownError,
-    asyncpg.exceptions.CrashShutdownError,
-    asyncpg.exceptions.ConnectionFailureError,
-    asyncio.TimeoutError,
-)
+_DB_DOWN = DATABASE_UNAVAILABLE
 
 
 def ready_event_id(group_id: str) -> str:

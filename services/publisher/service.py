@@ -43,7 +43,7 @@ from artery.shared.adapters import put_adapter
 from artery.shared.bus import CONTENT_TYPE, publish_event
 from artery.shared.codec import EventDecoder
 from artery.shared.consumer import ConsumerOptions, DurableConsumer
-from artery.shared.db import create_pool
+from artery.shared.db import DATABASE_UNAVAILABLE, create_pool
 from artery.shared.errors import DependencyUnavailable, InvalidMessage
 from artery.shared.logs import get_logger
 from artery.shared.tracing import extract, tracer
@@ -54,17 +54,7 @@ _PUBLISHED_NAMESPACE = uuid.UUID("8a4f2c1e-7b3d-4f6a-9e5c-7075626c6973")
 _DELETED_NAMESPACE = uuid.UUID("8a4f2c1e-7b3d-4f6a-9e5c-64656c657465")
 _decoder = EventDecoder(CheckpointSaved)
 
-# What a lost database connection looks like from asyncpg: retry later, never dead-letter.
-_DB_DOWN = (
-    OSError,
-    asyncpg.exceptions.ConnectionDoesNotExistError,
-    asyncpg.exceptions.CannotConnectNowError,
-    asyncpg.exceptions.InterfaceError,
-    asyncpg.exceptions.AdminShutdownError,
-    asyncpg.exceptions.CrashShutdownError,
-    asyncpg.exceptions.ConnectionFailureError,
-    asyncio.TimeoutError,
-)
+_DB_DOWN = DATABASE_UNAVAILABLE
 
 
 def object_name(project: str, model: str, step: int) -> str:
