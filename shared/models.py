@@ -22,3 +22,12 @@ def resolve_base_model(name: str) -> str:
 
         return str(tiny_model_path())
     return name
+
+
+def limit_torch_threads(threads: int) -> None:
+    """Cap torch's CPU threads (0 leaves torch's default). On a small machine shared by the
+    trainer and replicas, every process using every core makes each of them slower."""
+    if threads > 0:
+        import torch
+
+        torch.set_num_threads(threads)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from artery.schemas import CheckpointPublished
+from artery.schemas import CheckpointDeleted, CheckpointPublished
 from artery.schemas.base import new_event_id
 from artery.services.inference.checkpoints import CheckpointWatcher
 from artery.shared import bus, subjects
@@ -173,11 +173,13 @@ class FakeEngine:
         # What a real engine would read: the safetensors file, copied out of the cache dir.
         self.loads.append((name, load_file(str(path / "adapter_model.safetensors"))))
 
+    unloads: list[str] = field(default_factory=list)
+
     async def unload_adapter(self, name: str) -> None:
-        pass
+        self.unloads.append(name)
 
     def adapters(self) -> list[str]:
-        return [name for name, _ in self.loads]
+        return [name for name, _ in self.loads if name not in self.unloads]
 
 
 async def publish_adapter(js, tmp_path: Path, step: int, *, sha256: str | None = None) -> bytes:
@@ -235,5 +237,27 @@ async def test_watcher_loads_the_newest_published_adapter_then_follows_live(js, 
         expected = load_file(str(tmp_path / "adapter-4" / "adapter_model.safetensors"))
         assert all(torch.equal(engine.loads[1][1][k], v) for k, v in expected.items())
         assert not (tmp_path / "cache" / PROJECT / MODEL / "step-3").exists()
+    finally:
+        await watcher.stop()
+
+
+async def test_watcher_unloads_a_step_that_retention_deleted(js, tmp_path):
+    engine = FakeEngine()
+    watcher = CheckpointWatcher(
+        js, PROJECT, MODEL, engine, lambda step, name: None, cache_dir=tmp_path / "cache"
+    )
+    await watcher.start()
+    try:
+        await publish_adapter(js, tmp_path, 1)
+        await publish_adapter(js, tmp_path, 2)
+        await wait_until(lambda: len(engine.loads) == 2)
+        deleted = CheckpointDeleted(
+            id=new_event_id(), project=PROJECT, model=MODEL, step=1, object_name=f"{PROJECT}/{MODEL}/step-1"
+        )
+        await bus.publish_event(js, subjects.checkpoint("deleted", PROJECT, MODEL), deleted)
+        await wait_until(lambda: engine.unloads == [f"{MODEL}@1"])
+        assert engine.adapters() == [f"{MODEL}@2"]
+        await wait_until(lambda: not (tmp_path / "cache" / PROJECT / MODEL / "step-1").exists())
+        assert (tmp_path / "cache" / PROJECT / MODEL / "step-2").exists()
     finally:
         await watcher.stop()

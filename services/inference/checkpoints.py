@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import shutil
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy
 
-from artery.schemas import CheckpointPublished
+from artery.schemas import CheckpointDeleted, CheckpointPublished
 from artery.services.inference.engine.base import Engine
 from artery.shared import subjects
 from artery.shared.adapters import AdapterError, AdapterNotFound, get_adapter, unpack_adapter
@@ -37,6 +38,7 @@ log = get_logger(__name__)
 
 OnLoaded = Callable[[int, str], Awaitable[None] | None]
 _decoder = EventDecoder(CheckpointPublished)
+_deleted_decoder = EventDecoder(CheckpointDeleted)
 
 
 def served_name(model: str, step: int) -> str:
@@ -68,6 +70,7 @@ class CheckpointWatcher:
         self.loaded: dict[str, str] = {}
         self._queue: asyncio.Queue[Msg] = asyncio.Queue()
         self._sub = None
+        self._deleted_sub = None
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -79,13 +82,22 @@ class CheckpointWatcher:
             ordered_consumer=True,
             deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
         )
+        # Retention deletes old steps; unloading them keeps a long run from holding every
+        # adapter it ever trained. Only deletions from now on matter: nothing older is loaded.
+        self._deleted_sub = await self.js.subscribe(
+            subjects.checkpoint("deleted", self.project, self.model),
+            cb=self._queue.put,
+            ordered_consumer=True,
+            deliver_policy=DeliverPolicy.NEW,
+        )
         self._task = asyncio.create_task(self._run())
 
     async def stop(self) -> None:
-        if self._sub is not None:
-            with contextlib.suppress(Exception):
-                await self._sub.unsubscribe()
-            self._sub = None
+        for sub in (self._sub, self._deleted_sub):
+            if sub is not None:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+        self._sub = self._deleted_sub = None
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -96,9 +108,30 @@ class CheckpointWatcher:
         while True:
             msg = await self._queue.get()
             try:
-                await self.handle(msg.data, (msg.headers or {}).get(CONTENT_TYPE))
+                if msg.subject == subjects.checkpoint("deleted", self.project, self.model):
+                    await self.handle_deleted(msg.data, (msg.headers or {}).get(CONTENT_TYPE))
+                else:
+                    await self.handle(msg.data, (msg.headers or {}).get(CONTENT_TYPE))
             except Exception:  # one bad checkpoint must not stop the replica following the next
                 log.exception("checkpoint handling failed", subject=msg.subject)
+
+    async def handle_deleted(self, data: bytes, content_type: str | None = None) -> str | None:
+        """Process one ``checkpoint.deleted``: unload that step; the served name when it was loaded."""
+        try:
+            event = _deleted_decoder.decode(data, content_type)
+        except InvalidMessage as exc:
+            log.error("unreadable checkpoint.deleted; skipped", error=str(exc))
+            return None
+        if event.step is None:
+            return None
+        name = served_name(self.model, event.step)
+        if name not in self.loaded:
+            return None
+        await self.engine.unload_adapter(name)
+        del self.loaded[name]
+        await asyncio.to_thread(shutil.rmtree, self.cache_dir / f"step-{event.step}", True)
+        log.info("adapter unloaded", served_name=name, reason=event.reason)
+        return name
 
     async def handle(self, data: bytes, content_type: str | None = None) -> str | None:
         """Process one ``checkpoint.published``; the served name when it was loaded, else None."""

@@ -20,7 +20,7 @@ from artery.services.inference.serving import ServingState
 from artery.services.inference.settings import PREFIX, InferenceSettings
 from artery.shared import bus
 from artery.shared.logs import get_logger
-from artery.shared.models import resolve_base_model
+from artery.shared.models import limit_torch_threads, resolve_base_model
 from artery.shared.runtime import connect_service, run_service
 from artery.shared.settings import CommonSettings, load
 
@@ -52,6 +52,7 @@ async def serve_http(app, host: str, port: int) -> tuple[uvicorn.Server, asyncio
 
 async def start(common: CommonSettings, stop: asyncio.Event) -> None:
     settings = load(InferenceSettings, PREFIX)
+    limit_torch_threads(settings.torch_threads)
     engine = make_engine(settings)
     await engine.start()
     gate = PauseGate(max_wait_s=settings.max_pause_wait_s, on_pause=engine.sleep, on_resume=engine.wake)

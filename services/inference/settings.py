@@ -45,3 +45,7 @@ class InferenceSettings(msgspec.Struct, kw_only=True, frozen=True):
         default_factory=default_replica_id
     )
     adapter_cache_dir: Annotated[str | None, doc("where fetched adapters are unpacked")] = None
+    torch_threads: Annotated[
+        int,
+        doc("CPU threads torch may use (0: torch's default, every core); set it when sharing cores", ge=0),
+    ] = 0

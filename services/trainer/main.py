@@ -12,6 +12,7 @@ from artery.shared import bus
 from artery.shared.db import migrate_when_ready
 from artery.shared.errors import ConfigError
 from artery.shared.logs import get_logger
+from artery.shared.models import limit_torch_threads
 from artery.shared.runtime import connect_service, run_service
 from artery.shared.settings import CommonSettings, load
 
@@ -20,6 +21,7 @@ log = get_logger(__name__)
 
 async def start(common: CommonSettings, stop: asyncio.Event) -> None:
     settings = load(TrainerSettings, PREFIX)
+    limit_torch_threads(settings.torch_threads)
     if not common.database_url:
         raise ConfigError("the trainer needs ARTERY_DATABASE_URL")
     nc = await connect_service("trainer", common)

@@ -32,3 +32,7 @@ class TrainerSettings(msgspec.Struct, kw_only=True, frozen=True):
         float, doc("how long a train request waits for its groups to be stored", gt=0)
     ] = 120.0
     ack_wait_s: Annotated[float, doc("time a step may take before the request is redelivered", gt=0)] = 900.0
+    torch_threads: Annotated[
+        int,
+        doc("CPU threads torch may use (0: torch's default, every core); set it when sharing cores", ge=0),
+    ] = 0
