@@ -5,6 +5,7 @@ rollouts of one input form a ``TrajectoryGroup``, and ``model.publish(groups)`` 
 the services (collector → reward → trainer).
 """
 
+from artery import rewards
 from artery.backend import Backend, LocalBackend, TrainingFailed, TrainResult
 from artery.gather import TooManyExceptions, gather_trajectories, gather_trajectory_groups
 from artery.model import Model, TrainableModel
@@ -29,4 +30,5 @@ __all__ = [
     "gather_trajectories",
     "gather_trajectory_groups",
     "retry",
+    "rewards",
 ]

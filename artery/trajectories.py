@@ -114,7 +114,9 @@ class TrajectoryGroup:
         items = list(trajectories)
         if any(inspect.isawaitable(item) for item in items):
             return _gather_group(cls, items, kwargs)
-        return super().__new__(cls)
+        group = super().__new__(cls)
+        group._given = items  # a generator can be read once: __init__ takes this list
+        return group
 
     def __init__(
         self,
@@ -126,7 +128,8 @@ class TrajectoryGroup:
         logs: list[str] | None = None,
         reward: RewardSpec | None = None,
     ):
-        self.trajectories: list[Trajectory] = list(trajectories)
+        given = self.__dict__.pop("_given", None)
+        self.trajectories: list[Trajectory] = given if given is not None else list(trajectories)
         self.exceptions = [
             e if isinstance(e, TrajectoryException) else exception_record(e) for e in exceptions or []
         ]

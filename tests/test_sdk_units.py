@@ -181,3 +181,8 @@ def test_model_names_must_be_subject_tokens():
         art.Model(name="m", project="p", config={"x": object()})
     assert art.Model(name="m", project="p").get_inference_name(3) == "m@3"
     json.dumps(art.Model(name="m", project="p", config={"a": 1}).config)
+
+
+def test_group_from_a_generator_of_finished_trajectories_keeps_them():
+    group = art.TrajectoryGroup(art.Trajectory(reward=r) for r in (0.0, 0.5, 1.0))
+    assert [t.reward for t in group] == [0.0, 0.5, 1.0]
