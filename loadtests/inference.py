@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
-import json
 import os
 import platform
 import signal
@@ -61,6 +60,7 @@ from artery.shared.settings import CommonSettings
 from artery.stack import Stack
 from loadtests import RESULTS_DIR
 from loadtests.ingest import CpuMeter, percentile
+from loadtests.report import report
 
 PROJECT = "bench"
 MODEL = "infer"
@@ -682,11 +682,7 @@ def main(argv: list[str] | None = None) -> dict:
             raise
         finally:
             stop_all(stack)
-    print(render(result), flush=True)
-    config.output.parent.mkdir(parents=True, exist_ok=True)
-    config.output.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\nwritten to {config.output}", flush=True)
-    return result
+    return report(result, render, config.output)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
-import json
 import os
 import platform
 import random
@@ -58,6 +57,7 @@ from artery.shared.embedded import nats_server_binary, postgres_bin_dir
 from artery.shared.settings import load
 from artery.stack import ServiceProcess, Stack
 from loadtests import RESULTS_DIR
+from loadtests.report import report
 
 PROJECT = "bench"
 MODEL = "ingest"
@@ -700,11 +700,7 @@ def main(argv: list[str] | None = None) -> dict:
             for process in stack.processes.values():
                 process.stop(timeout=STOP_TIMEOUT_S)
             stack.stop()
-    print(render(result), flush=True)
-    config.output.parent.mkdir(parents=True, exist_ok=True)
-    config.output.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\nwritten to {config.output}", flush=True)
-    return result
+    return report(result, render, config.output)
 
 
 if __name__ == "__main__":

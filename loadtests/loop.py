@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
-import json
 import os
 import platform
 import signal
@@ -53,6 +52,7 @@ from artery.shared.models import TINY
 from artery.testing.tasks import half_alphabet_reward, half_alphabet_task_prompt
 from loadtests import RESULTS_DIR
 from loadtests.inference import table
+from loadtests.report import report
 
 PROJECT = "bench"
 MODEL = "loop"
@@ -331,11 +331,7 @@ def main(argv: list[str] | None = None) -> dict:
     config = parse_args(list(sys.argv[1:] if argv is None else argv))
     with tempfile.TemporaryDirectory(prefix="artery-bench-") as home:
         result = asyncio.run(run(config, Path(home)))
-    print(render(result), flush=True)
-    config.output.parent.mkdir(parents=True, exist_ok=True)
-    config.output.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\nwritten to {config.output}", flush=True)
-    return result
+    return report(result, render, config.output)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import os
 import platform
 import statistics
@@ -54,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtests import RESULTS_DIR
+from loadtests.report import report
 
 TARGETS_WITHOUT_LM_HEAD = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LEARNING_RATE = 1e-5
@@ -451,11 +451,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # PEFT's and TRL's advice about a tiny model on a CPU
         result = run(config)
-    print(render(result), flush=True)
-    config.output.parent.mkdir(parents=True, exist_ok=True)
-    config.output.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\nwritten to {config.output}", flush=True)
-    return result
+    return report(result, render, config.output)
 
 
 if __name__ == "__main__":

@@ -73,3 +73,15 @@ def test_loop_benchmark_quick(tmp_path, capsys):
 
     printed = capsys.readouterr().out
     assert "generation (rollouts)" in printed and "until served" in printed
+
+
+def test_trainer_step_benchmark_quick(tmp_path):
+    from loadtests import trainer_step
+
+    output = tmp_path / "trainer_step.json"
+    trainer_step.main(["--quick", "--output", str(output)])
+    result = json.loads(output.read_text())
+    for part in ("artery_train_step", "trl_train_only", "trl_full_step", "artery_full_step"):
+        assert result["per_step"][part]["median_ms"] > 0
+    assert result["ratios_of_medians"]["train_trl_over_artery"] > 0
+    assert result["artery_steps_trained"] > 0
