@@ -14,6 +14,8 @@ from artery.shared.settings import CommonSettings, load
 from artery.shared.tracing import setup_tracing
 
 log = get_logger(__name__)
+#: How long a service gets to stop cleanly after SIGTERM (the stack waits 15 s, then kills).
+SHUTDOWN_GRACE_S = 10.0
 
 
 async def connect_service(service: str, common: CommonSettings) -> nats.NATS:
@@ -38,7 +40,19 @@ def run_service(
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         log.info("starting", nats_url=common.nats_url)
-        await start(common, stop)
+        service = asyncio.create_task(start(common, stop))
+        stopping = asyncio.create_task(stop.wait())
+        await asyncio.wait({service, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if not service.done():
+            # Stop was asked for: the service shuts down cleanly on its own, unless it is still
+            # starting (waiting for NATS or PostgreSQL that may never come): then it is cancelled.
+            try:
+                await asyncio.wait_for(service, timeout=SHUTDOWN_GRACE_S)
+            except TimeoutError:
+                log.warning("did not stop in time; cancelled", grace_s=SHUTDOWN_GRACE_S)
+                return
+        stopping.cancel()
+        service.result()  # a failed start exits non-zero with its traceback
         log.info("stopped")
 
     asyncio.run(main())

@@ -86,3 +86,25 @@ def test_invalid_settings_stop_a_service_at_start_with_a_clear_error(tmp_path):
     )
     assert result.returncode != 0
     assert "ARTERY_COLLECTOR_" in result.stderr and "batch_size" in result.stderr
+
+
+def test_a_service_still_waiting_for_nats_stops_on_sigterm():
+    """A broker that never answers must not make a service unstoppable."""
+    from artery.shared.embedded import free_port
+
+    env = {
+        **os.environ,
+        "ARTERY_NATS_URL": f"nats://127.0.0.1:{free_port()}",  # nothing listens there
+        "ARTERY_DATABASE_URL": "postgresql://nobody@127.0.0.1:1/none",
+    }
+    service = subprocess.Popen(
+        [sys.executable, "-m", "artery.services.collector"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    time.sleep(3)
+    started = time.monotonic()
+    service.send_signal(signal.SIGTERM)
+    assert service.wait(timeout=30) == 0
+    assert time.monotonic() - started < 15
