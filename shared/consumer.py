@@ -166,24 +166,17 @@ class DurableConsumer:
     async def dead_letter(self, msg: Msg, error: InvalidMessage) -> None:
         """Publish the reason and the (possibly cut) payload, then terminate the message."""
         meta = msg.metadata
-        headers = dict(msg.headers or {})
-        limit = self.options.dlq_payload_bytes
         project, model = _names_from_subject(msg.subject)
-        letter = DeadLetter(
-            id=str(uuid.uuid5(_DLQ_NAMESPACE, f"{meta.stream}:{meta.sequence.stream}")),
+        letter = dead_letter_event(
+            msg,
+            error,
+            letter_id=str(uuid.uuid5(_DLQ_NAMESPACE, f"{meta.stream}:{meta.sequence.stream}")),
+            service=self.service,
             project=project,
             model=model,
-            service=self.service,
-            reason=error.reason,
-            kind=error.kind,
-            subject=msg.subject,
+            payload_limit=self.options.dlq_payload_bytes,
             stream=meta.stream,
             stream_seq=meta.sequence.stream,
-            original_id=error.original_id or headers.get(MSG_ID),
-            headers={k: v[:1024] for k, v in list(headers.items())[:32]},
-            content_type=headers.get(CONTENT_TYPE),
-            payload=msg.data[:limit],
-            payload_truncated=len(msg.data) > limit,
         )
         # The dead letter is durable before the original is terminated: a crash in between
         # redelivers the original, and the dead letter's fixed id de-duplicates the second one.
@@ -203,6 +196,39 @@ class DurableConsumer:
             await asyncio.wait_for(self._stopping.wait(), timeout=seconds)
         except TimeoutError:
             pass
+
+
+def dead_letter_event(
+    msg: Msg,
+    error: InvalidMessage,
+    *,
+    letter_id: str,
+    service: str,
+    project: str,
+    model: str,
+    payload_limit: int,
+    stream: str | None = None,
+    stream_seq: int | None = None,
+) -> DeadLetter:
+    """The ``DeadLetter`` for a rejected message, streamed or core (request/reply): the reason,
+    the headers and the payload, both cut to bounded sizes."""
+    headers = dict(msg.headers or {})
+    return DeadLetter(
+        id=letter_id,
+        project=project,
+        model=model,
+        service=service,
+        reason=error.reason,
+        kind=error.kind,
+        subject=msg.subject,
+        stream=stream,
+        stream_seq=stream_seq,
+        original_id=error.original_id or headers.get(MSG_ID),
+        headers={k: v[:1024] for k, v in list(headers.items())[:32]},
+        content_type=headers.get(CONTENT_TYPE),
+        payload=msg.data[:payload_limit],
+        payload_truncated=len(msg.data) > payload_limit,
+    )
 
 
 def _names_from_subject(subject: str) -> tuple[str, str]:

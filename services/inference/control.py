@@ -31,12 +31,13 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 
-from artery.schemas import DeadLetter, PauseAck, PauseInference, ReplicaInfo, ResumeAck, ResumeInference
+from artery.schemas import PauseAck, PauseInference, ReplicaInfo, ResumeAck, ResumeInference
 from artery.schemas.base import new_event_id, utcnow
 from artery.services.inference.pause import PauseGate
 from artery.shared import subjects
-from artery.shared.bus import CONTENT_TYPE, MSG_ID, REPLICA_TTL_S, event_headers
+from artery.shared.bus import CONTENT_TYPE, REPLICA_TTL_S, event_headers
 from artery.shared.codec import EventDecoder, encode
+from artery.shared.consumer import dead_letter_event
 from artery.shared.errors import InvalidMessage
 from artery.shared.logs import get_logger
 
@@ -185,21 +186,15 @@ class ControlServer:
                 log.warning("on_change after control request failed", error=repr(exc))
 
     async def _dead_letter(self, msg: Msg, error: InvalidMessage) -> None:
-        headers = dict(msg.headers or {})
         digest = hashlib.sha256(msg.subject.encode() + b"\0" + msg.data).hexdigest()
-        letter = DeadLetter(
-            id=str(uuid.uuid5(_DLQ_NAMESPACE, digest)),
+        letter = dead_letter_event(
+            msg,
+            error,
+            letter_id=str(uuid.uuid5(_DLQ_NAMESPACE, digest)),
+            service=SERVICE,
             project=self.project,
             model=self.model,
-            service=SERVICE,
-            reason=error.reason,
-            kind=error.kind,
-            subject=msg.subject,
-            original_id=headers.get(MSG_ID),
-            headers={k: v[:1024] for k, v in list(headers.items())[:32]},
-            content_type=headers.get(CONTENT_TYPE),
-            payload=msg.data[:_DLQ_PAYLOAD_BYTES],
-            payload_truncated=len(msg.data) > _DLQ_PAYLOAD_BYTES,
+            payload_limit=_DLQ_PAYLOAD_BYTES,
         )
         log.warning(
             "control request rejected", kind=error.kind, reason=error.reason[:300], subject=msg.subject

@@ -22,14 +22,15 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from artery.schemas import DeadLetter, RetentionApplied, RetentionRequested
+from artery.schemas import RetentionApplied, RetentionRequested
 from artery.schemas.base import NAME_PATTERN
 from artery.schemas.deadletter import UNKNOWN
 from artery.services.publisher.retention import RetentionPolicy
 from artery.services.publisher.service import SERVICE, Publisher
 from artery.shared import subjects
-from artery.shared.bus import CONTENT_TYPE, MSG_ID, event_headers, publish_event
+from artery.shared.bus import CONTENT_TYPE, event_headers, publish_event
 from artery.shared.codec import EventDecoder, encode
+from artery.shared.consumer import dead_letter_event
 from artery.shared.errors import DependencyUnavailable, InvalidMessage
 from artery.shared.logs import get_logger
 
@@ -103,20 +104,14 @@ class RetentionServer:
     async def _dead_letter(
         self, msg: Msg, error: InvalidMessage, digest: str, project: str, model: str
     ) -> None:
-        headers = dict(msg.headers or {})
-        letter = DeadLetter(
-            id=str(uuid.uuid5(_DLQ_NAMESPACE, digest)),
+        letter = dead_letter_event(
+            msg,
+            error,
+            letter_id=str(uuid.uuid5(_DLQ_NAMESPACE, digest)),
+            service=SERVICE,
             project=project,
             model=model,
-            service=SERVICE,
-            reason=error.reason,
-            kind=error.kind,
-            subject=msg.subject,
-            original_id=headers.get(MSG_ID),
-            headers={k: v[:1024] for k, v in list(headers.items())[:32]},
-            content_type=headers.get(CONTENT_TYPE),
-            payload=msg.data[:_DLQ_PAYLOAD_BYTES],
-            payload_truncated=len(msg.data) > _DLQ_PAYLOAD_BYTES,
+            payload_limit=_DLQ_PAYLOAD_BYTES,
         )
         log.warning("retention request rejected", kind=error.kind, reason=error.reason[:300])
         try:
