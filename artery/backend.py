@@ -3,11 +3,18 @@
 ``Backend(nats_url=...)`` joins a running Artery (``artery up`` or docker compose);
 ``LocalBackend()`` first starts the embedded stack (NATS, PostgreSQL, every service) as child
 processes, like ART's ``LocalBackend``. Both have the same API.
+
+Traces: a backend sets up OpenTelemetry in the agent's process unless the application has (spans
+are exported to ``ARTERY_OTEL_ENDPOINT`` when set). Each group goes out in an
+``artery.submit_group`` span, the child of the current span (or, outside any, of the group's own
+``artery.group`` span), so the collector continues the trace; ``train()`` runs in an
+``artery.train`` span whose ``train.requested`` links the trainer's step to every group.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -17,6 +24,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import nats
 from nats.js.errors import KeyNotFoundError
+from opentelemetry import trace
 
 from artery.schemas import (
     ModelRecord,
@@ -30,8 +38,17 @@ from artery.schemas import (
     utcnow,
 )
 from artery.shared import bus, subjects
+from artery.shared.auth import nats_connect_options
 from artery.shared.control_client import live_replicas
+from artery.shared.embedded import free_port
+from artery.shared.permissions import provision_if_missing
 from artery.shared.settings import CommonSettings
+from artery.shared.tracing import (
+    current_trace_id,
+    link_headers,
+    setup_sdk_tracing,
+    tracer,
+)
 from artery.stack import Stack
 from artery.trajectories import TrajectoryGroup
 
@@ -40,6 +57,9 @@ if TYPE_CHECKING:
 
 _record_decoder = msgspec.json.Decoder(ModelRecord)
 _outcome_decoder = msgspec.json.Decoder(TrainCompleted | TrainFailed)
+_tracer = tracer("artery.sdk")
+#: Set by ``train()``: where ``publish`` notes the span of each submission.
+_submissions: contextvars.ContextVar[list | None] = contextvars.ContextVar("artery_submissions", default=None)
 
 
 @dataclass
@@ -48,6 +68,8 @@ class TrainResult:
 
     step: int
     metrics: dict[str, float]
+    #: The trace of this step (``train()`` through trainer, publisher and adapter load).
+    trace_id: str | None = None
 
 
 class TrainingFailed(RuntimeError):
@@ -77,13 +99,17 @@ class Backend:
         self.inference_url = inference_url or os.environ.get("ARTERY_INFERENCE_URL") or None
         self.inference_api_key = inference_api_key or os.environ.get("ARTERY_INFERENCE_API_KEY") or None
         self._nc: nats.NATS | None = None
+        #: Extra ``nats.connect`` options (credentials); ``LocalBackend`` sets them when secure.
+        self._nats_options: dict[str, object] = {}
         self._lock = asyncio.Lock()
+        setup_sdk_tracing()
 
     async def _connect(self) -> nats.NATS:
         async with self._lock:
             if self._nc is None or self._nc.is_closed:
-                self._nc = await bus.connect(self.settings, name="artery-sdk")
-                await bus.provision(self._nc.jetstream(), self.settings)
+                self._nc = await bus.connect(self.settings, name="artery-sdk", **self._nats_options)
+                # An agent's NATS user may check streams but not create them (admin's job).
+                await provision_if_missing(self._nc.jetstream(), self.settings)
             return self._nc
 
     async def _js(self):
@@ -138,9 +164,40 @@ class Backend:
     ) -> list[str]:
         """Publish groups durably (the stream has them when this returns); return their ids."""
         step = await self._get_step(model) if model.trainable else None
+        groups = list(groups)
         events = [g.to_event(project=model.project, model=model.name, step=step, split=split) for g in groups]
-        js = await self._js()
-        await bus.publish_events(js, [(subjects.trajectories(e.project, e.model), e) for e in events])
+        current = trace.get_current_span().get_span_context()
+        messages, submitted = [], []
+        for group, event in zip(groups, events, strict=True):
+            origin = getattr(group, "span_context", None)
+            # Inside a span of the agent's, the group joins it (linked to its rollouts' span);
+            # outside any, it continues the trace its rollouts ran in.
+            parent = (
+                None
+                if current.is_valid or origin is None
+                else trace.set_span_in_context(trace.NonRecordingSpan(origin))
+            )
+            links = [trace.Link(origin)] if origin is not None and current.is_valid else []
+            with _tracer.start_as_current_span(
+                "artery.submit_group",
+                context=parent,
+                kind=trace.SpanKind.PRODUCER,
+                links=links,
+                attributes={
+                    "artery.project": event.project,
+                    "artery.model": event.model,
+                    "artery.group_id": event.id,
+                    "artery.split": split,
+                    "artery.trajectories": len(event.trajectories),
+                },
+            ) as span:
+                messages.append(bus.prepare(subjects.trajectories(event.project, event.model), event))
+                submitted.append(span.get_span_context())
+        # Retried unchanged until acked: a lost ack (a NATS node failing over) never stores twice.
+        await bus.publish_until_acked(await self._js(), messages)
+        spans = _submissions.get()
+        if spans is not None:  # inside train(): its request links to these spans
+            spans.extend(submitted)
         return [e.id for e in events]
 
     async def train(
@@ -161,7 +218,27 @@ class Backend:
         config = (
             msgspec.structs.replace(config or TrainConfig(), **config_fields) if config_fields else config
         )
-        group_ids = await self.publish(model, groups, split="train")
+        attributes = {"artery.project": model.project, "artery.model": model.name}
+        with _tracer.start_as_current_span("artery.train", attributes=attributes) as span:
+            result = await self._train(model, groups, config, timeout_s, wait_for_serving_s)
+            span.set_attribute("artery.step", result.step)
+            result.trace_id = current_trace_id()
+            return result
+
+    async def _train(
+        self,
+        model: Model,
+        groups: Iterable[TrajectoryGroup],
+        config: TrainConfig | None,
+        timeout_s: float | None,
+        wait_for_serving_s: float,
+    ) -> TrainResult:
+        submitted: list[trace.SpanContext] = []
+        token = _submissions.set(submitted)
+        try:
+            group_ids = await self.publish(model, groups, split="train")
+        finally:
+            _submissions.reset(token)
         if not group_ids:
             raise ValueError("train() needs at least one group")
         nc = await self._connect()
@@ -176,8 +253,12 @@ class Backend:
                 group_ids=group_ids,
                 config=config or TrainConfig(),
             )
+            # The trainer's step span is the child of this one and links to every submission.
             await bus.publish_event(
-                nc.jetstream(), subjects.train("requested", model.project, model.name), request
+                nc.jetstream(),
+                subjects.train("requested", model.project, model.name),
+                request,
+                headers=link_headers({}, submitted),
             )
             outcome = await self._await_outcome(sub, request.id, timeout_s)
         finally:
@@ -257,7 +338,11 @@ class Backend:
 
 
 class LocalBackend(Backend):
-    """Starts the embedded stack under ``path`` (default ``./.artery``) and connects to it."""
+    """Starts the embedded stack under ``path`` (default ``./.artery``) and connects to it.
+
+    ``secure=True``: every service runs as its own NATS user (``Stack(secure=True)``) and the
+    backend connects as ``agent-<project>``, so it may use ``project``'s subjects only.
+    """
 
     def __init__(
         self,
@@ -266,10 +351,19 @@ class LocalBackend(Backend):
         services: tuple[str, ...] | None = None,
         start_inference: bool = True,
         inference_env: dict[str, str] | None = None,
+        secure: bool = False,
+        project: str | None = None,
     ):
         super().__init__(nats_url="nats://127.0.0.1:0")
+        if secure != (project is not None):
+            raise ValueError("secure=True needs the project whose agent user the backend connects as")
         self.path = Path(path)
-        self.stack = Stack(home=self.path / "stack", **({"services": services} if services else {}))
+        self.project = project
+        self.stack = Stack(
+            home=self.path / "stack",
+            **({"services": services} if services else {}),
+            **({"secure": True, "projects": (project,)} if secure else {}),
+        )
         #: Extra ``ARTERY_INFERENCE_*`` settings for the replicas it starts (engine, device...).
         self.inference_env = dict(inference_env or {})
         self.start_inference = start_inference
@@ -280,6 +374,8 @@ class LocalBackend(Backend):
             # Starting servers blocks for about a second: keep the event loop free meanwhile.
             await asyncio.to_thread(self.stack.start)
             self.settings = msgspec.structs.replace(self.settings, nats_url=self.stack.nats_url)
+            if self.project is not None:
+                self._nats_options = nats_connect_options(self.settings, self.stack.agent_env(self.project))
             self._started = True
         return await super()._connect()
 
@@ -292,6 +388,8 @@ class LocalBackend(Backend):
                 "ARTERY_INFERENCE_MODEL": model.name,
                 "ARTERY_INFERENCE_BASE_MODEL": model.base_model,
                 "ARTERY_INFERENCE_REPLICA_ID": f"local-{model.project}-{model.name}",
+                # A fixed port: a replica restarted after a crash comes back where clients look.
+                "ARTERY_INFERENCE_PORT": str(free_port()),
                 **self.inference_env,
             }
             process = self.stack.start_service(name, service="inference", env=env)

@@ -33,6 +33,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         nats_url=os.environ.get("ARTERY_NATS_URL") or None,
         database_url=os.environ.get("ARTERY_DATABASE_URL") or None,
         services=services,
+        secure=args.secure,
+        projects=tuple(args.project or ()) if args.secure else (),
     )
     stopping = False
 
@@ -42,11 +44,18 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
+    if args.project and not args.secure:
+        raise SystemExit("--project names an agent user: it goes with --secure")
     print(f"artery up — home {stack.home}", flush=True)
     try:
         stack.start_infrastructure()
         _line("nats", "ready", f"{stack.nats_url}{' (embedded)' if stack.nats else ''}")
         _line("postgres", "ready", f"{stack.database_url}{' (embedded)' if stack.postgres else ''}")
+        if args.secure:
+            _line("users", "secure", f"one NATS user per service; passwords in {stack.secrets}")
+            for project in stack.projects:
+                env = " ".join(f"{k}={v}" for k, v in stack.agent_env(project).items())
+                _line(f"agent-{project}", "env", env)
         for name in services:
             process = stack.start_service(name)
             _line(name, "started", f"pid {process.proc.pid}, log {process.log_path}")
@@ -120,7 +129,19 @@ async def _status(home: str) -> int:
 
     nats_url, database_url = _connection_urls(home)
     print(f"NATS {nats_url}")
-    nc = await bus.connect(CommonSettings(nats_url=nats_url), name="artery-status", max_reconnect_attempts=0)
+    options: dict = {"max_reconnect_attempts": 0, "allow_reconnect": False}
+    admin_secret = Path(home) / "secrets" / "admin"
+    if admin_secret.exists() and not os.environ.get("ARTERY_NATS_USER"):
+        # A secure stack (artery up --secure): read it as its admin, whose password is beside it.
+        options.update(user="admin", password=admin_secret.read_text().strip(), inbox_prefix="_INBOX.admin")
+    try:
+        # A refused login would otherwise be retried forever: fail with the reason instead.
+        nc = await asyncio.wait_for(
+            bus.connect(CommonSettings(nats_url=nats_url), name="artery-status", **options), timeout=10
+        )
+    except Exception as exc:
+        print(f"cannot connect to NATS at {nats_url}: {exc!r} (credentials: ARTERY_NATS_USER, ...)")
+        return 1
     js = nc.jetstream()
     print(f"  {'stream':<22} {'messages':>9} {'bytes':>11}   consumers (pending / unacked / redelivered)")
     for spec in subjects.STREAMS:
@@ -179,16 +200,40 @@ def cmd_status(args: argparse.Namespace) -> int:
     return asyncio.run(_status(args.home))
 
 
+def cmd_provision(_: argparse.Namespace) -> int:
+    """Create or update every stream, bucket and object store (``ARTERY_*`` settings, e.g.
+    ``ARTERY_STREAM_REPLICAS``). Services only create what is missing, and with per-service NATS
+    users only ``admin`` may do even that: run this as admin after changing stream settings."""
+    from artery.shared import bus
+    from artery.shared.settings import CommonSettings, load
+
+    async def provision() -> None:
+        settings = load(CommonSettings, "ARTERY_")
+        nc = await bus.connect(settings, name="artery-provision", max_reconnect_attempts=0)
+        try:
+            await bus.provision(nc.jetstream(), settings)
+        finally:
+            await nc.close()
+
+    asyncio.run(provision())
+    print("provisioned")
+    return 0
+
+
 def cmd_config(_: argparse.Namespace) -> int:
     from artery.services.collector import settings as collector
     from artery.services.inference import settings as inference
     from artery.services.publisher import settings as publisher
+    from artery.services.reward import settings as reward
     from artery.services.trainer import settings as trainer
+    from artery.shared import auth
     from artery.shared.settings import CommonSettings, describe
 
     for title, cls, prefix in (
         ("every service and the SDK", CommonSettings, "ARTERY_"),
+        ("NATS credentials and TLS (every service and the SDK)", auth.NatsAuthSettings, auth.PREFIX),
         ("collector", collector.CollectorSettings, collector.PREFIX),
+        ("reward", reward.RewardSettings, reward.PREFIX),
         ("inference", inference.InferenceSettings, inference.PREFIX),
         ("trainer", trainer.TrainerSettings, trainer.PREFIX),
         ("publisher", publisher.PublisherSettings, publisher.PREFIX),
@@ -197,6 +242,22 @@ def cmd_config(_: argparse.Namespace) -> int:
         for variable, default, description in describe(cls, prefix):
             print(f"{variable:<36} {default:<26} {description}")
         print()
+    return 0
+
+
+def cmd_nats_config(args: argparse.Namespace) -> int:
+    """Print nats-server users with each role's permissions, generated from ``shared.subjects``."""
+    from artery.shared.permissions import default_users, render_authorization
+
+    users = default_users(args.project or [])
+    if args.secrets_dir:
+        directory = Path(args.secrets_dir)
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        for user in users:  # one file per user, for ARTERY_NATS_PASSWORD_FILE (docker secrets)
+            fd = os.open(directory / user.name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(user.password + "\n")
+    print(render_authorization(users), end="")
     return 0
 
 
@@ -212,12 +273,28 @@ def main(argv: list[str] | None = None) -> int:
         metavar="PROJECT/MODEL=BASE",
         help="start an inference replica for a model (repeatable), e.g. demo/agent=artery/tiny-random",
     )
+    up.add_argument(
+        "--secure",
+        action="store_true",
+        help="embedded NATS with one user per service and agent-PROJECT per --project (see Security)",
+    )
+    up.add_argument(
+        "--project", action="append", help="with --secure: add the agent user agent-PROJECT (repeatable)"
+    )
     up.set_defaults(func=cmd_up)
     status = sub.add_parser("status", help="streams, consumers, lag and row counts")
     status.add_argument("--home", default=DEFAULT_HOME, help="state directory of `artery up`")
     status.set_defaults(func=cmd_status)
     config = sub.add_parser("config", help="print every setting with its default")
     config.set_defaults(func=cmd_config)
+    provision = sub.add_parser("provision", help="create or update every stream and bucket (as admin)")
+    provision.set_defaults(func=cmd_provision)
+    nats_config = sub.add_parser(
+        "nats-config", help="print nats-server users: one per service, agent-<project> per project"
+    )
+    nats_config.add_argument("--project", action="append", help="add the user agent-PROJECT (repeatable)")
+    nats_config.add_argument("--secrets-dir", help="also write each password to DIR/<user> (mode 0600)")
+    nats_config.set_defaults(func=cmd_nats_config)
     args = parser.parse_args(argv)
     return args.func(args)
 

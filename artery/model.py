@@ -10,7 +10,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from opentelemetry import trace
+
 from artery.schemas.base import NAME_PATTERN
+from artery.shared.tracing import inject, tracer
 from artery.trajectories import Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:
@@ -20,6 +23,7 @@ if TYPE_CHECKING:
 import re
 
 _NAME = re.compile(NAME_PATTERN)
+_tracer = tracer("artery.sdk")
 
 
 class Model:
@@ -36,7 +40,7 @@ class Model:
         inference_api_key: str | None = None,
         inference_base_url: str | None = None,
         inference_model_name: str | None = None,
-        base_path: str = ".artery",
+        base_path: str | None = None,
         report_metrics: list[str] | None = None,
     ):
         for label, value in (("name", name), ("project", project)):
@@ -52,6 +56,7 @@ class Model:
         self.inference_api_key = inference_api_key
         self.inference_base_url = inference_base_url
         self.inference_model_name = inference_model_name
+        #: Where history.jsonl goes; unset, a LocalBackend's own path (as ART), else ``.artery``.
         self.base_path = base_path
         self.report_metrics = report_metrics
         self._backend: Backend | None = None
@@ -67,6 +72,8 @@ class Model:
         return self._backend
 
     async def register(self, backend: Backend) -> None:
+        if self.base_path is None and isinstance(getattr(backend, "path", None), Path):
+            self.base_path = str(backend.path)
         await backend.register(self)
         self._backend = backend
         if self.trainable and self.inference_base_url is None:
@@ -78,7 +85,8 @@ class Model:
         """An ``openai.AsyncOpenAI`` for this model's inference endpoint (cached, as in ART).
 
         Its responses carry the sampled ``token_ids`` on each choice; append the choices to a
-        ``Trajectory`` and training uses exactly those tokens.
+        ``Trajectory`` and training uses exactly those tokens. Each request runs in an
+        ``artery.completion`` span and sends its ``traceparent``: the replica's span continues it.
         """
         if self._openai_client is None:
             import httpx
@@ -91,7 +99,11 @@ class Model:
                 api_key=self.inference_api_key or "artery",
                 http_client=httpx.AsyncClient(
                     timeout=httpx.Timeout(timeout=1200, connect=5.0),
-                    limits=httpx.Limits(max_connections=100_000, max_keepalive_connections=100_000),
+                    transport=traced_transport(
+                        httpx.AsyncHTTPTransport(
+                            limits=httpx.Limits(max_connections=100_000, max_keepalive_connections=100_000)
+                        )
+                    ),
                 ),
             )
         return self._openai_client
@@ -125,7 +137,7 @@ class Model:
 
     @property
     def directory(self) -> Path:
-        return Path(self.base_path) / self.project / "models" / self.name
+        return Path(self.base_path or ".artery") / self.project / "models" / self.name
 
     async def log(
         self,
@@ -196,6 +208,36 @@ class TrainableModel(Model):
         return await self.backend.delete_checkpoints(
             self, best_checkpoint_metric=best_checkpoint_metric, keep_latest=keep_latest
         )
+
+
+def traced_transport(inner):
+    """An httpx transport that sends each request in a CLIENT span, with its ``traceparent``."""
+    import httpx
+
+    class TracedTransport(httpx.AsyncBaseTransport):
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            path = request.url.path
+            name = "artery.completion" if path.endswith("completions") else f"artery.http {request.method}"
+            with _tracer.start_as_current_span(
+                name,
+                kind=trace.SpanKind.CLIENT,
+                attributes={
+                    "http.request.method": request.method,
+                    "url.path": path,
+                    "server.address": request.url.host,
+                },
+            ) as span:
+                request.headers.update(inject({}))
+                response = await inner.handle_async_request(request)
+                span.set_attribute("http.response.status_code", response.status_code)
+                if response.status_code >= 500:
+                    span.set_status(trace.StatusCode.ERROR)
+                return response
+
+        async def aclose(self) -> None:
+            await inner.aclose()
+
+    return TracedTransport()
 
 
 def _append_history(path: Path, row: dict[str, Any]) -> None:

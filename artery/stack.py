@@ -4,16 +4,24 @@ Used by ``artery up``, by the SDK's ``LocalBackend``, by the test suite and by t
 all of them run the same processes the same way. State lives under one home directory:
 ``nats/`` (JetStream store), ``postgres/`` (the cluster), ``logs/`` (one file per process) and
 ``stack.json`` (where to connect, for ``artery status`` and other clients).
+
+``Stack(secure=True, projects=(...))`` runs NATS with one user per service and ``agent-<project>``
+per project (``shared.permissions``): passwords under ``secrets/`` (mode 0600, kept across
+restarts), streams provisioned as ``admin``, each service connected as its own user and an agent
+as its project's (``agent_env``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,10 +29,20 @@ from artery.shared.embedded import NatsServer, PostgresServer, postgres_bin_dir,
 
 #: Every model-independent service, in start order. Inference replicas serve one model each and
 #: are started per model (``LocalBackend.register``, ``artery up --serve``).
-SERVICES: tuple[str, ...] = ("collector", "publisher", "trainer")
+SERVICES: tuple[str, ...] = ("collector", "reward", "publisher", "trainer")
 DATABASE = "artery"
 #: Every service logs this event once it is set up and serving (see ``shared.runtime``).
 READY_MARKER = b'"event": "ready"'
+#: Dropped from a secure stack's service environment: each service gets its own user instead.
+_INHERITED_CREDENTIALS = (
+    "ARTERY_NATS_USER",
+    "ARTERY_NATS_PASSWORD",
+    "ARTERY_NATS_PASSWORD_FILE",
+    "ARTERY_NATS_TOKEN",
+    "ARTERY_NATS_TOKEN_FILE",
+    "ARTERY_NATS_CREDS",
+    "ARTERY_NATS_INBOX_PREFIX",
+)
 
 
 @dataclass
@@ -88,21 +106,76 @@ class Stack:
     nats: NatsServer | None = None
     postgres: PostgresServer | None = None
     processes: dict[str, ServiceProcess] = field(default_factory=dict)
+    #: Per-service NATS users (embedded NATS only); ``projects`` get an ``agent-<project>`` user.
+    secure: bool = False
+    projects: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         self.home = Path(self.home).resolve()
+        self.projects = tuple(dict.fromkeys(self.projects))
+        if self.secure and self.nats_url is not None:
+            raise ValueError("secure=True generates the users of the embedded NATS: give no nats_url")
+        if self.projects and not self.secure:
+            raise ValueError("projects name agent users: they need secure=True")
 
     @property
     def logs(self) -> Path:
         return self.home / "logs"
+
+    @property
+    def secrets(self) -> Path:
+        """One password file per NATS user (``ARTERY_NATS_PASSWORD_FILE``), when secure."""
+        return self.home / "secrets"
+
+    def _users(self) -> list:
+        """Every user, with the password it had (so agents' files stay valid across restarts)."""
+        from artery.shared.permissions import default_users
+
+        self.secrets.mkdir(mode=0o700, exist_ok=True)
+        self.secrets.chmod(0o700)
+        users = []
+        for user in default_users(self.projects):
+            path = self.secrets / user.name
+            if path.exists():
+                user = dataclasses.replace(user, password=path.read_text().rstrip("\r\n"))
+            else:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    f.write(user.password + "\n")
+            users.append(user)
+        return users
+
+    def _credentials(self, user: str) -> dict[str, str]:
+        path = self.secrets / user
+        if not self.secure or not path.exists():
+            raise KeyError(f"no NATS user {user!r} in this stack (secure={self.secure})")
+        return {"ARTERY_NATS_USER": user, "ARTERY_NATS_PASSWORD_FILE": str(path)}
+
+    def agent_env(self, project: str) -> dict[str, str]:
+        """What an agent of ``project`` needs to connect (``ARTERY_NATS_URL``, user, password file)."""
+        if project not in self.projects:
+            raise KeyError(f"no agent user for project {project!r}; projects: {', '.join(self.projects)}")
+        return {"ARTERY_NATS_URL": self.nats_url or "", **self._credentials(f"agent-{project}")}
 
     def start_infrastructure(self) -> None:
         """NATS and PostgreSQL, unless URLs of running ones were given."""
         self.home.mkdir(parents=True, exist_ok=True)
         self.logs.mkdir(exist_ok=True)
         if self.nats_url is None:
-            self.nats = NatsServer(self.home / "nats", log_file=self.logs / "nats-server.log").start()
+            extra_config = ""
+            if self.secure:
+                from artery.shared.permissions import render_authorization
+
+                # The server's configuration holds every password: readable by us only.
+                (self.home / "nats").mkdir(mode=0o700, exist_ok=True)
+                (self.home / "nats").chmod(0o700)
+                extra_config = render_authorization(self._users())
+            self.nats = NatsServer(
+                self.home / "nats", log_file=self.logs / "nats-server.log", extra_config=extra_config
+            ).start()
             self.nats_url = self.nats.url
+            if self.secure:
+                self._provision()
         if self.database_url is None:
             self.postgres = PostgresServer(
                 self.home / "postgres", log_file=self.logs / "postgres.log", durable=self.durable
@@ -110,11 +183,42 @@ class Stack:
             _create_database(self.postgres, DATABASE)
             self.database_url = self.postgres.dsn(DATABASE)
         (self.home / "stack.json").write_text(
-            json.dumps({"nats_url": self.nats_url, "database_url": self.database_url, "pid": os.getpid()})
+            json.dumps(
+                {
+                    "nats_url": self.nats_url,
+                    "database_url": self.database_url,
+                    "pid": os.getpid(),
+                    **({"secrets": str(self.secrets)} if self.secure else {}),
+                }
+            )
         )
 
-    def service_env(self) -> dict[str, str]:
+    def _provision(self) -> None:
+        """Streams and buckets, created as ``admin``: services may only check that they exist."""
+        from artery.shared import bus
+        from artery.shared.auth import nats_connect_options
+        from artery.shared.settings import CommonSettings
+
+        settings = CommonSettings(nats_url=self.nats_url)
+        options = nats_connect_options(settings, self._credentials("admin"))
+
+        async def provision() -> None:
+            nc = await bus.connect(settings, name="artery-stack", max_reconnect_attempts=0, **options)
+            try:
+                await bus.provision(nc.jetstream(), settings)
+            finally:
+                await nc.close()
+
+        # In a thread of its own: the caller may be inside an event loop.
+        with ThreadPoolExecutor(1) as pool:
+            pool.submit(asyncio.run, provision()).result()
+
+    def service_env(self, service: str | None = None) -> dict[str, str]:
+        """The environment of a service process; when secure, connected as ``service``'s user."""
         env = dict(os.environ)
+        if self.secure:
+            for name in _INHERITED_CREDENTIALS:
+                env.pop(name, None)
         env.update(
             {
                 "ARTERY_NATS_URL": self.nats_url or "",
@@ -126,6 +230,10 @@ class Stack:
             }
         )
         env.update(self.extra_env)
+        if self.secure:
+            if service is None:
+                raise ValueError("a secure stack's service environment is per service: name it")
+            env.update(self._credentials(service))
         return env
 
     def start_services(self, wait: bool = True) -> None:
@@ -138,9 +246,13 @@ class Stack:
     def start_service(
         self, name: str, *, service: str | None = None, env: dict[str, str] | None = None
     ) -> ServiceProcess:
-        """Start (or restart) instance ``name`` of ``service`` with extra environment ``env``."""
+        """Start (or restart) instance ``name`` of ``service`` with extra environment ``env``.
+
+        In a secure stack it connects as the user named after its service (``inference`` for every
+        replica)."""
+        service = service or name
         process = self.processes.get(name) or ServiceProcess(
-            name, {**self.service_env(), **(env or {})}, self.logs / f"{name}.log", service=service or name
+            name, {**self.service_env(service), **(env or {})}, self.logs / f"{name}.log", service=service
         )
         process.start()
         self.processes[name] = process

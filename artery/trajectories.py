@@ -14,11 +14,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+from opentelemetry import trace
 
 from artery import convert
 from artery.schemas import History as WireHistory
 from artery.schemas import RewardSpec, Tool, TrajectoryException, TrajectoryGroupSubmitted, new_event_id
 from artery.schemas import Trajectory as WireTrajectory
+from artery.shared.tracing import tracer
+
+_tracer = tracer("artery.sdk")
 
 
 def _tools(tools: list[Any] | None) -> list[Tool] | None:
@@ -138,6 +142,8 @@ class TrajectoryGroup:
         self.logs = list(logs or [])
         #: How the reward service should score the group (RULER); unset: the agent's rewards.
         self.reward = reward
+        #: The ``artery.group`` span its rollouts ran in (set when it was gathered from awaitables).
+        self.span_context: trace.SpanContext | None = None
 
     def __iter__(self) -> Iterator[Trajectory]:
         return iter(self.trajectories)
@@ -157,8 +163,12 @@ class TrajectoryGroup:
         for i, t in enumerate(self.trajectories):
             if not math.isfinite(t.reward):
                 raise ValueError(f"trajectory {i} has reward {t.reward}: rewards must be finite")
+        # One id per group, whatever the number of calls: publishing the same group again (a retry
+        # after an error) is then de-duplicated by JetStream and the collector, never stored twice.
+        if getattr(self, "_event_id", None) is None:
+            self._event_id = new_event_id()
         return TrajectoryGroupSubmitted(
-            id=new_event_id(),
+            id=self._event_id,
             project=project,
             model=model,
             step=step,
@@ -181,7 +191,8 @@ async def _gather_group(cls, items: list[Any], kwargs: dict[str, Any]) -> Trajec
 
     async def run(item):
         try:
-            result = await item if inspect.isawaitable(item) else item
+            with _tracer.start_as_current_span("artery.rollout"):  # the agent's requests inside
+                result = await item if inspect.isawaitable(item) else item
         except Exception as exc:
             if context is None:
                 raise
@@ -191,8 +202,12 @@ async def _gather_group(cls, items: list[Any], kwargs: dict[str, Any]) -> Trajec
             context.record_trajectory(result)
         return result
 
-    results = await asyncio.gather(*(run(item) for item in items))
+    with _tracer.start_as_current_span("artery.group", attributes={"artery.rollouts": len(items)}) as span:
+        results = await asyncio.gather(*(run(item) for item in items))
     trajectories = [r for r in results if isinstance(r, Trajectory)]
     exceptions = [r for r in results if isinstance(r, BaseException)]
     exceptions += list(kwargs.pop("exceptions", None) or [])
-    return cls(trajectories, exceptions=exceptions, **kwargs)
+    group = cls(trajectories, exceptions=exceptions, **kwargs)
+    span_context = span.get_span_context()
+    group.span_context = span_context if span_context.is_valid else None
+    return group

@@ -39,7 +39,6 @@ import argparse
 import asyncio
 import datetime as dt
 import os
-import platform
 import signal
 import statistics
 import sys
@@ -60,7 +59,7 @@ from artery.shared.settings import CommonSettings
 from artery.stack import Stack
 from loadtests import RESULTS_DIR
 from loadtests.ingest import CpuMeter, percentile
-from loadtests.report import report
+from loadtests.report import load_average, machine, report
 
 PROJECT = "bench"
 MODEL = "infer"
@@ -425,7 +424,7 @@ async def replica_urls(nc, timeout_s: float = 30.0) -> dict[str, str]:
 
 
 async def run(config: Config, stack: Stack, baseline: HFBaseline, adapter: bytes) -> dict:
-    load_before = round(os.getloadavg()[0], 2)
+    load_before = load_average()
     nc = await bus.connect(CommonSettings(nats_url=stack.nats_url), name="bench-inference")
     try:
         await bus.provision(nc.jetstream(), CommonSettings(nats_url=stack.nats_url))
@@ -439,14 +438,11 @@ async def run(config: Config, stack: Stack, baseline: HFBaseline, adapter: bytes
     return {
         "benchmark": "inference",
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "machine": {
-            "cpu_count": os.cpu_count(),
-            "load_average_1m_before": load_before,
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "device": os.environ.get("ARTERY_INFERENCE_DEVICE", "cpu"),
-            "torch_threads": config.threads or "default (every core)",
-        },
+        "machine": machine(
+            load_before,
+            device=os.environ.get("ARTERY_INFERENCE_DEVICE", "cpu"),
+            torch_threads=config.threads or "default (every core)",
+        ),
         "config": {
             "base_model": config.base_model,
             "concurrency": config.concurrency,

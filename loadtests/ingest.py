@@ -32,7 +32,6 @@ import argparse
 import asyncio
 import datetime as dt
 import os
-import platform
 import random
 import statistics
 import subprocess
@@ -57,7 +56,7 @@ from artery.shared.embedded import nats_server_binary, postgres_bin_dir
 from artery.shared.settings import load
 from artery.stack import ServiceProcess, Stack
 from loadtests import RESULTS_DIR
-from loadtests.report import report
+from loadtests.report import load_average, machine, report
 
 PROJECT = "bench"
 MODEL = "ingest"
@@ -372,7 +371,7 @@ class Config:
 
 
 async def run(config: Config, stack: Stack) -> dict:
-    load_before = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
+    load_before = load_average()
     nc = await nats.connect(stack.nats_url, name="bench-ingest")
     try:
         await wait_for_collector(nc, stack)
@@ -420,14 +419,11 @@ async def run(config: Config, stack: Stack) -> dict:
     result = {
         "benchmark": "ingest",
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "machine": {
-            "cpu_count": os.cpu_count(),
-            "load_average_1m_before": load_before,
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "nats_server": _version([nats_server_binary(), "--version"]),
-            "postgres": pg["version"],
-        },
+        "machine": machine(
+            load_before,
+            nats_server=_version([nats_server_binary(), "--version"]),
+            postgres=pg["version"],
+        ),
         "durability": {
             "postgres_durable": config.durable,
             "postgres_fsync": pg["fsync"],

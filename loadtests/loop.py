@@ -34,8 +34,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
-import os
-import platform
 import signal
 import statistics
 import sys
@@ -52,7 +50,7 @@ from artery.shared.models import TINY
 from artery.testing.tasks import half_alphabet_reward, half_alphabet_task_prompt
 from loadtests import RESULTS_DIR
 from loadtests.inference import table
-from loadtests.report import report
+from loadtests.report import load_average, machine, report
 
 PROJECT = "bench"
 MODEL = "loop"
@@ -182,7 +180,7 @@ async def iteration(
 
 
 async def run(config: Config, home: Path) -> dict:
-    load_before = round(os.getloadavg()[0], 2)
+    load_before = load_average()
     backend = TimedBackend(path=home / "artery")
     model = art.TrainableModel(
         name=MODEL, project=PROJECT, base_model=config.base_model, base_path=str(home / "artery")
@@ -211,12 +209,7 @@ async def run(config: Config, home: Path) -> dict:
     return {
         "benchmark": "loop",
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "machine": {
-            "cpu_count": os.cpu_count(),
-            "load_average_1m_before": load_before,
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-        },
+        "machine": machine(load_before),
         "config": {
             "base_model": config.base_model,
             "iterations": config.iterations,

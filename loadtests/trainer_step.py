@@ -41,8 +41,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -53,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtests import RESULTS_DIR
-from loadtests.report import report
+from loadtests.report import load_average, machine, report
 
 TARGETS_WITHOUT_LM_HEAD = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LEARNING_RATE = 1e-5
@@ -322,18 +320,15 @@ def run(config: Config) -> dict[str, Any]:
     return {
         "benchmark": "trainer_step",
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "machine": {
-            "cpu_count": os.cpu_count(),
-            "load_average_1m_before": round(os.getloadavg()[0], 2),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "device": config.device,
-            "torch_threads": config.threads,
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "peft": peft.__version__,
-            "trl": trl.__version__,
-        },
+        "machine": machine(
+            load_average(),
+            device=config.device,
+            torch_threads=config.threads,
+            torch=torch.__version__,
+            transformers=transformers.__version__,
+            peft=peft.__version__,
+            trl=trl.__version__,
+        ),
         "config": {
             **{k: v for k, v in asdict(config).items() if k != "output"},
             "model": TINY,

@@ -20,7 +20,7 @@ from artery.schemas.checkpoints import (
 )
 from artery.schemas.control import PauseAck, PauseInference, ReplicaInfo, ResumeAck, ResumeInference
 from artery.schemas.deadletter import DeadLetter
-from artery.schemas.groups import GroupReady, GroupScored, TrajectoryScore
+from artery.schemas.groups import GroupReady, GroupScored, JudgeUsage, TrajectoryScore
 from artery.schemas.models import ModelRecord
 from artery.schemas.training import TrainCompleted, TrainConfig, TrainFailed, TrainRequested
 from artery.schemas.trajectory import (
@@ -58,6 +58,7 @@ __all__ = [
     "History",
     "ImagePart",
     "ImageURL",
+    "JudgeUsage",
     "Message",
     "ModelRecord",
     "PauseAck",

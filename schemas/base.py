@@ -17,7 +17,12 @@ SCHEMA_VERSION = "1"
 # characters that are safe in both (no dots, wildcards or whitespace).
 NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 Name = Annotated[str, msgspec.Meta(pattern=NAME_PATTERN, description="project or model name")]
-EventId = Annotated[str, msgspec.Meta(min_length=1, max_length=128, description="globally unique event id")]
+# No NUL: ids are keys of PostgreSQL text columns, which cannot hold one (a request carrying one
+# failed in the database, again on every redelivery, instead of being rejected once).
+EventId = Annotated[
+    str,
+    msgspec.Meta(min_length=1, max_length=128, pattern=r"^[^\x00]+$", description="globally unique event id"),
+]
 Step = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1, description="policy version: the training step")]
 Split = Annotated[
     str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,32}$", description="train, val, or another split")

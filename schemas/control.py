@@ -50,6 +50,8 @@ class ResumeAck(Event, kw_only=True, tag="control.resume_ack"):
     replica_id: str
     lease_id: EventId
     resumed: bool
+    #: Why the request was refused (it could not be read, or was for another model); None when read.
+    error: str | None = None
 
 
 class ReplicaInfo(Struct, kw_only=True):

@@ -29,8 +29,22 @@ class GroupReady(Event, kw_only=True, tag="group.ready"):
 
 class TrajectoryScore(Struct, kw_only=True):
     index: Annotated[int, msgspec.Meta(ge=0)]
+    #: The reward the trainer uses (the judge's score, plus the agent's own when combined).
     score: float
     explanation: str | None = None
+    #: The judge's score alone, in [0, 1].
+    judge_score: float | None = None
+    #: The reward the agent submitted, kept for comparison.
+    independent_reward: float | None = None
+
+
+class JudgeUsage(Struct, kw_only=True):
+    """What scoring one group cost: judge calls, tokens and, when the provider's price is known, USD."""
+
+    attempts: Annotated[int, msgspec.Meta(ge=1)]
+    prompt_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+    completion_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+    cost_usd: float | None = None
 
 
 class GroupScored(Event, kw_only=True, tag="group.scored"):
@@ -40,6 +54,7 @@ class GroupScored(Event, kw_only=True, tag="group.scored"):
     split: Split = "train"
     scores: list[TrajectoryScore]
     judge_model: str | None = None
+    usage: JudgeUsage | None = None
 
 
 GroupEvent = GroupReady | GroupScored

@@ -10,8 +10,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import nats
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.api import (
     KeyValueConfig,
@@ -20,10 +23,11 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import BadRequestError, NoStreamResponseError, NotFoundError
 
 from artery.schemas import SCHEMA_VERSION, Event
 from artery.shared import subjects
+from artery.shared.auth import nats_connect_options
 from artery.shared.codec import JSON, encode
 from artery.shared.logs import get_logger
 from artery.shared.settings import CommonSettings
@@ -57,11 +61,16 @@ async def connect(settings: CommonSettings, name: str, **options) -> nats.NATS:
     async def on_error(exc):
         log.warning("nats error", client=name, error=str(exc))
 
-    options = {"max_reconnect_attempts": -1, "reconnect_time_wait": 0.5, **options}
+    # Credentials and TLS from ARTERY_NATS_* (see ``auth``); what the caller passes wins.
+    options = {
+        "max_reconnect_attempts": -1,
+        "reconnect_time_wait": 0.5,
+        **nats_connect_options(settings),
+        **options,
+    }
     nc = await nats.connect(
         servers=[u.strip() for u in settings.nats_url.split(",") if u.strip()],
         name=name,
-        user_credentials=settings.nats_creds,
         disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnect,
         error_cb=on_error,
@@ -139,12 +148,15 @@ async def publish_event(
     content_type: str = JSON,
     msg_id: str | None = None,
     timeout: float = 10.0,
+    headers: dict[str, str] | None = None,
 ):
-    """Publish and wait for the stream's ack (the event is durable when this returns)."""
+    """Publish and wait for the stream's ack (the event is durable when this returns).
+
+    ``headers`` are added to the standard ones (``tracing.link_headers``, for example)."""
     return await js.publish(
         subject,
         encode(event, content_type),
-        headers=event_headers(event, content_type, msg_id),
+        headers={**(headers or {}), **event_headers(event, content_type, msg_id)},
         timeout=timeout,
     )
 
@@ -162,10 +174,87 @@ def prepare(subject: str, event: Event, *, content_type: str = JSON) -> Outgoing
     return Outgoing(subject, encode(event, content_type), event_headers(event, content_type))
 
 
-async def publish_prepared(js: JetStreamContext, messages: Iterable[Outgoing]) -> list:
-    """Publish many messages pipelined (``publish_async``), then wait for every ack."""
+#: Longest wait for a pipelined publish's ack. ``publish_async`` futures have no timeout of their
+#: own: an ack lost with a broker node would otherwise be awaited forever.
+ACK_TIMEOUT_S = 10.0
+
+
+async def _acks(futures: list[asyncio.Future], timeout_s: float) -> list[Any]:
+    """Each future's ack or exception; ``TimeoutError`` for those unanswered after ``timeout_s``."""
+    if futures:
+        _, pending = await asyncio.wait(futures, timeout=timeout_s)
+        for future in pending:
+            future.cancel()
+    results: list[Any] = []
+    for future in futures:
+        if future.cancelled():
+            results.append(TimeoutError(f"no ack within {timeout_s}s"))
+        elif future.exception() is not None:
+            results.append(future.exception())
+        else:
+            results.append(future.result())
+    return results
+
+
+async def publish_prepared(
+    js: JetStreamContext, messages: Iterable[Outgoing], *, ack_timeout_s: float = ACK_TIMEOUT_S
+) -> list:
+    """Publish many messages pipelined (``publish_async``), then wait for every ack; raise the
+    first error (``TimeoutError`` for an ack that never came)."""
     futures = [await js.publish_async(m.subject, m.payload, headers=m.headers) for m in messages]
-    return list(await asyncio.gather(*futures))
+    results = await _acks(futures, ack_timeout_s)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results
+
+
+#: A publish whose ack did not come: the stream may or may not have stored it.
+_RETRIABLE_PUBLISH_ERRORS = (NatsTimeoutError, NoRespondersError, NoStreamResponseError, TimeoutError)
+
+
+async def publish_until_acked(
+    js: JetStreamContext,
+    messages: Iterable[Outgoing],
+    *,
+    attempts: int = 8,
+    delay_s: float = 0.25,
+    max_delay_s: float = 4.0,
+    ack_timeout_s: float = ACK_TIMEOUT_S,
+) -> list:
+    """Publish pipelined, then publish again, unchanged, each message whose ack did not come.
+
+    A lost ack (a broker node dies, a stream leader is being elected) does not say whether the
+    stream stored the message. Sending the same bytes with the same ``Nats-Msg-Id`` again is safe
+    either way: JetStream drops the repeat within its duplicate window, and every row an event
+    causes is keyed on its id. Raises the last error when a message is still unacked after
+    ``attempts`` rounds (about 20 s with the defaults)."""
+    pending = list(messages)
+    acks: dict[int, Any] = {}
+    indices = list(range(len(pending)))
+    for attempt in range(1, attempts + 1):
+        futures = [await js.publish_async(m.subject, m.payload, headers=m.headers) for m in pending]
+        results = await _acks(futures, ack_timeout_s)
+        failed = []
+        last_error: BaseException | None = None
+        for index, message, result in zip(indices, pending, results, strict=True):
+            if isinstance(result, BaseException):
+                if not isinstance(result, _RETRIABLE_PUBLISH_ERRORS):
+                    raise result
+                failed.append((index, message))
+                last_error = result
+            else:
+                acks[index] = result
+        if not failed:
+            return [acks[i] for i in range(len(acks))]
+        if attempt == attempts:
+            assert last_error is not None
+            raise last_error
+        log.warning("publish not acked; sending again", messages=len(failed), attempt=attempt)
+        await asyncio.sleep(min(delay_s * 2 ** (attempt - 1), max_delay_s))
+        indices = [i for i, _ in failed]
+        pending = [m for _, m in failed]
+    raise AssertionError("unreachable")
 
 
 async def publish_events(

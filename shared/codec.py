@@ -46,3 +46,9 @@ class EventDecoder:
             raise InvalidMessage("validation", str(exc)) from exc
         except msgspec.DecodeError as exc:
             raise InvalidMessage("decode", f"not valid {content_type}: {exc}") from exc
+        # msgspec raises these outside DecodeError: invalid UTF-8 in a string, and nesting deeper
+        # than the interpreter's recursion limit. Both are the sender's fault, not ours.
+        except UnicodeDecodeError as exc:
+            raise InvalidMessage("decode", f"not valid {content_type}: {exc}") from exc
+        except RecursionError:
+            raise InvalidMessage("decode", f"not valid {content_type}: nested too deeply") from None

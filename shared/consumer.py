@@ -58,6 +58,13 @@ class ConsumerOptions:
     max_ack_pending: int = 20_000
     dlq_payload_bytes: int = 64 * 1024
 
+    @classmethod
+    def from_settings(cls, settings: object) -> ConsumerOptions:
+        """The options a service's settings name (``batch_size``, ``fetch_timeout_s``, ...);
+        the defaults above for those it does not."""
+        names = ("batch_size", "fetch_timeout_s", "ack_wait_s", "max_deliveries", "backoff_max_s")
+        return cls(**{name: getattr(settings, name) for name in names if hasattr(settings, name)})
+
 
 class DurableConsumer:
     def __init__(

@@ -8,12 +8,15 @@ collector replicas) apply each migration once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
+from collections.abc import AsyncIterator
 from importlib import resources
 
 import asyncpg
 
+from artery.shared.errors import DependencyUnavailable
 from artery.shared.logs import get_logger
 
 log = get_logger(__name__)
@@ -50,6 +53,12 @@ async def migrate(conn: asyncpg.Connection) -> list[int]:
     applied_now = []
     await conn.execute("SELECT pg_advisory_lock($1)", MIGRATION_LOCK_ID)
     try:
+        # Up to date: nothing to create. A service running as a least-privilege role (see
+        # 0005_roles.sql) may not create tables, so it must not even try.
+        if await conn.fetchval("SELECT to_regclass('schema_migrations')") is not None:
+            done = {r["version"] for r in await conn.fetch("SELECT version FROM schema_migrations")}
+            if {version for version, _, _ in migrations()} <= done:
+                return []
         await conn.execute(
             "CREATE TABLE IF NOT EXISTS schema_migrations ("
             " version integer PRIMARY KEY, name text NOT NULL,"
@@ -86,6 +95,47 @@ async def create_pool(dsn: str, *, min_size: int = 1, max_size: int = 4) -> asyn
     return await asyncpg.create_pool(
         dsn, min_size=min_size, max_size=max_size, init=init_connection, command_timeout=30
     )
+
+
+#: Errors of a PostgreSQL that is there but overloaded: retried like an outage, not blamed on
+#: the message being handled.
+_BUSY = frozenset({"TooManyConnectionsError", "QueryCanceledError"})
+
+
+class ServicePool:
+    """A service's connection pool, opened at first use (or by ``open``), whose failures are
+    sorted for the consumer loop: PostgreSQL unreachable or busy raises ``DependencyUnavailable``
+    (nak, back off, never dead-lettered), and every other error (a ``DataError`` about the data
+    itself, say) passes through unchanged."""
+
+    def __init__(self, dsn: str, *, max_size: int):
+        self.dsn = dsn
+        self.max_size = max_size
+        self.pool: asyncpg.Pool | None = None
+        self._lock = asyncio.Lock()  # concurrent first uses must not open two pools
+
+    async def open(self) -> asyncpg.Pool:
+        async with self._lock:
+            if self.pool is None:
+                self.pool = await create_pool(self.dsn, max_size=self.max_size)
+        return self.pool
+
+    @contextlib.asynccontextmanager
+    async def connection(self) -> AsyncIterator[asyncpg.Connection]:
+        try:
+            pool = await self.open()
+            async with pool.acquire() as conn:
+                yield conn
+        except DATABASE_UNAVAILABLE as exc:
+            raise DependencyUnavailable(f"PostgreSQL unavailable: {exc!r}") from exc
+        except asyncpg.exceptions.PostgresError as exc:
+            if type(exc).__name__ in _BUSY:
+                raise DependencyUnavailable(f"PostgreSQL busy: {exc!r}") from exc
+            raise
+
+    async def close(self) -> None:
+        if self.pool is not None:
+            await self.pool.close()
 
 
 async def migrate_when_ready(dsn: str, *, attempts: int = 60, delay_s: float = 1.0) -> None:

@@ -1,4 +1,4 @@
-"""structlog as JSON lines (or console for people), each line with the current trace id."""
+"""structlog as JSON lines (or console for people), each line with the current trace and span ids."""
 
 from __future__ import annotations
 
@@ -7,13 +7,16 @@ import sys
 
 import structlog
 
-from artery.shared.tracing import current_trace_id
+from artery.shared.tracing import current_span_id, current_trace_id
 
 
 def _add_trace_id(_, __, event_dict):
+    """``trace_id`` / ``span_id`` of the current span: a line written while a message is handled
+    names the trace that message belongs to."""
     trace_id = current_trace_id()
     if trace_id:
-        event_dict["trace_id"] = trace_id
+        event_dict.setdefault("trace_id", trace_id)
+        event_dict.setdefault("span_id", current_span_id())
     return event_dict
 
 

@@ -10,18 +10,23 @@ import nats
 
 from artery.shared import bus
 from artery.shared.logs import get_logger, setup_logging
+from artery.shared.permissions import provision_if_missing
 from artery.shared.settings import CommonSettings, load
-from artery.shared.tracing import setup_tracing
+from artery.shared.tracing import setup_tracing, shutdown_tracing
 
 log = get_logger(__name__)
 #: How long a service gets to stop cleanly after SIGTERM (the stack waits 15 s, then kills).
 SHUTDOWN_GRACE_S = 10.0
+#: How long a stopping service may spend exporting its last spans.
+TRACE_FLUSH_S = 3.0
 
 
 async def connect_service(service: str, common: CommonSettings) -> nats.NATS:
     """Connect to NATS (retrying until it answers) and make sure every stream exists."""
     nc = await bus.connect(common, name=f"artery-{service}")
-    await bus.provision(nc.jetstream(), common)
+    # Only when something is missing: checking needs STREAM.INFO, which every NATS role may
+    # call, while creating or updating streams is the admin's (see shared/permissions.py).
+    await provision_if_missing(nc.jetstream(), common)
     return nc
 
 
@@ -55,4 +60,9 @@ def run_service(
         service.result()  # a failed start exits non-zero with its traceback
         log.info("stopped")
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    finally:
+        # Spans wait in a batch for up to 5 s: export them before the process is gone (within
+        # TRACE_FLUSH_S: the stack kills a service SHUTDOWN_GRACE_S + 5 s after asking it to stop).
+        shutdown_tracing(TRACE_FLUSH_S)

@@ -31,6 +31,7 @@ STREAMS: tuple[StreamSpec, ...] = (TRAJECTORIES, GROUPS, TRAINING, CHECKPOINTS, 
 # Durable consumers, one per role: replicas of a service share it and split the work.
 COLLECTOR_CONSUMER = "collector"
 PUBLISHER_CONSUMER = "publisher"
+REWARD_CONSUMER = "reward"
 
 # Key-value buckets and the object store.
 MODELS_BUCKET = "artery_models"  # key <project>.<model>: registration and current step
@@ -44,6 +45,10 @@ def trajectories(project: str, model: str) -> str:
 
 def group_ready(project: str, model: str) -> str:
     return f"{PREFIX}.group.ready.{project}.{model}"
+
+
+#: Every ``group.ready``, whatever the project and model (the reward service's filter).
+GROUPS_READY = f"{PREFIX}.group.ready.>"
 
 
 def group_scored(project: str, model: str) -> str:

@@ -108,3 +108,55 @@ def test_a_service_still_waiting_for_nats_stops_on_sigterm():
     service.send_signal(signal.SIGTERM)
     assert service.wait(timeout=30) == 0
     assert time.monotonic() - started < 15
+
+
+def test_nats_config_is_a_valid_server_config_with_a_secret_per_user(tmp_path):
+    from artery.shared.embedded import nats_server_binary
+
+    secrets = tmp_path / "secrets"
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "artery.cli",
+            "nats-config",
+            "--project",
+            "demo",
+            "--secrets-dir",
+            str(secrets),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    config = tmp_path / "nats.conf"
+    config.write_text(out)
+    checked = subprocess.run([nats_server_binary(), "-t", "-c", str(config)], capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stderr
+    users = sorted(p.name for p in secrets.iterdir())
+    assert users == sorted(
+        ["admin", "agent-demo", "collector", "inference", "publisher", "reward", "trainer"]
+    ), users
+    for name in users:
+        password = (secrets / name).read_text().strip()
+        assert (secrets / name).stat().st_mode & 0o077 == 0  # readable by its owner only
+        assert f'user: "{name}", password: "{password}"' in out
+
+
+def test_provision_creates_every_stream(nats_server):
+    env = {**os.environ, "ARTERY_NATS_URL": nats_server.url}
+    out = subprocess.run(
+        [sys.executable, "-m", "artery.cli", "provision"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0 and "provisioned" in out.stdout, out.stderr[-2000:]
+    jsz = subprocess.run(
+        [sys.executable, "-m", "artery.cli", "status"], env=env, capture_output=True, text=True, timeout=60
+    )
+    for stream in (
+        "ARTERY_TRAJECTORIES",
+        "ARTERY_GROUPS",
+        "ARTERY_TRAINING",
+        "ARTERY_CHECKPOINTS",
+        "ARTERY_DLQ",
+    ):
+        assert stream in jsz.stdout, jsz.stdout + jsz.stderr

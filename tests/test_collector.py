@@ -38,3 +38,12 @@ async def test_group_is_stored_and_announced(js, db, run_collector):
     assert await db.fetchval("SELECT count(*) FROM trajectories WHERE group_id = $1", g.id) == 4
     body = await db.fetchval("SELECT body FROM trajectories WHERE group_id = $1 AND idx = 2", g.id)
     assert body["reward"] == 0.5 and len(body["messages"]) == 10
+
+
+def test_reward_mean_of_huge_finite_rewards_stays_finite():
+    import math
+
+    from artery.services.collector.store import reward_mean
+
+    assert reward_mean([1e308, 1e308]) == 1e308 and math.isfinite(reward_mean([1.7e308, 1.7e308, -1e308]))
+    assert reward_mean([0.0, 1.0, 0.5]) == 0.5

@@ -29,6 +29,7 @@ from artery.schemas import (
     History,
     ImagePart,
     ImageURL,
+    JudgeUsage,
     Message,
     PauseAck,
     PauseInference,
@@ -135,10 +136,13 @@ EXAMPLES: list[Event] = [
         **ENVELOPE,
         group_id="g-1",
         scores=[
-            TrajectoryScore(index=0, score=1.0, explanation="right"),
+            TrajectoryScore(
+                index=0, score=1.0, explanation="right", judge_score=1.0, independent_reward=0.75
+            ),
             TrajectoryScore(index=1, score=0.0),
         ],
         judge_model="judge",
+        usage=JudgeUsage(attempts=2, prompt_tokens=812, completion_tokens=64, cost_usd=0.0012),
     ),
     TrainRequested(
         **ENVELOPE,

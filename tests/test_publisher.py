@@ -207,8 +207,9 @@ async def test_saved_checkpoint_becomes_object_row_and_published_event(js, db, r
         saved.sha256,
         len(data),
     )
-    assert row["metrics"] == {"reward_mean": 0.25}
-    assert row["published_at"] is not None and row["deleted_at"] is None
+    assert row["metrics"] == {"reward_mean": 0.25} and row["deleted_at"] is None
+    # The row is marked published right after the event goes out: the event can arrive first.
+    await wait_for(lambda: db.fetchval("SELECT published_at IS NOT NULL FROM checkpoints"))
     assert await db.fetchval("SELECT base_model FROM models WHERE project = $1 AND name = $2", PROJECT, MODEL)
 
 

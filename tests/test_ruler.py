@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import json
-import socket
-import threading
-import time
 
 import pytest
-import uvicorn
-from fastapi import FastAPI, Request
 
 import artery as art
 from artery.rewards import DEFAULT_RUBRIC, RulerError, ruler, ruler_score_group
 from artery.rewards.ruler import build_judge_messages, common_prefix_len, parse_scores
+from artery.testing.judge import scores_json, serve_scripted_judge
 
 SYSTEM = {"role": "system", "content": "You are an agent."}
 USER = {"role": "user", "content": "What is 2+2?"}
@@ -21,12 +17,6 @@ USER = {"role": "user", "content": "What is 2+2?"}
 
 def convo(answer: str) -> list[dict]:
     return [SYSTEM, USER, {"role": "assistant", "content": answer}]
-
-
-def scores_json(*items: tuple[str, float]) -> str:
-    return json.dumps(
-        {"scores": [{"trajectory_id": i, "explanation": f"why {i}", "score": s} for i, s in items]}
-    )
 
 
 # ---------------------------------------------------------------- pure parts
@@ -128,58 +118,10 @@ async def test_ruler_empty_needs_no_judge():
 # ---------------------------------------------------------------- a real HTTP judge
 
 
-class Judge:
-    """An OpenAI-compatible chat endpoint answering scripted contents (the last one repeats)."""
-
-    def __init__(self):
-        self.answers: list[str] = []
-        self.requests: list[dict] = []
-        self.url = ""
-        app = FastAPI()
-
-        @app.post("/v1/chat/completions")
-        async def chat(request: Request):
-            body = await request.json()
-            self.requests.append(body)
-            content = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
-            return {
-                "id": f"chatcmpl-{len(self.requests)}",
-                "object": "chat.completion",
-                "created": int(time.time()),
-                "model": body.get("model", "judge"),
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": content},
-                        "finish_reason": "stop",
-                    }
-                ],
-                "usage": {"prompt_tokens": 10, "completion_tokens": 10, "total_tokens": 20},
-            }
-
-        self.app = app
-
-    def params(self) -> dict:
-        return {"api_base": self.url + "/v1", "api_key": "x"}
-
-
 @pytest.fixture
 def judge():
-    j = Judge()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(j.app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline, "judge server did not start"
-        time.sleep(0.02)
-    j.url = f"http://127.0.0.1:{port}"
-    yield j
-    server.should_exit = True
-    thread.join(timeout=10)
+    with serve_scripted_judge() as j:
+        yield j
 
 
 def make_group() -> art.TrajectoryGroup:

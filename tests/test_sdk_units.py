@@ -186,3 +186,25 @@ def test_model_names_must_be_subject_tokens():
 def test_group_from_a_generator_of_finished_trajectories_keeps_them():
     group = art.TrajectoryGroup(art.Trajectory(reward=r) for r in (0.0, 0.5, 1.0))
     assert [t.reward for t in group] == [0.0, 0.5, 1.0]
+
+
+async def test_history_goes_under_the_local_backends_path_unless_set(tmp_path):
+    from pathlib import Path
+
+    class PathBackend:  # the two things register() uses of a LocalBackend
+        path = Path(tmp_path / "runs")
+        inference_api_key = None
+
+        async def register(self, model):
+            pass
+
+        async def _inference_url(self, model):
+            return "http://127.0.0.1:1/v1"
+
+    model = art.TrainableModel(name="m", project="p", base_model="artery/tiny-random")
+    assert model.directory == Path(".artery/p/models/m")
+    await model.register(PathBackend())
+    assert model.directory == tmp_path / "runs" / "p" / "models" / "m"
+    chosen = art.TrainableModel(name="m", project="p", base_model="x", base_path=str(tmp_path / "mine"))
+    await chosen.register(PathBackend())
+    assert chosen.directory == tmp_path / "mine" / "p" / "models" / "m"

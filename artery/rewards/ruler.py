@@ -166,6 +166,79 @@ def parse_scores(answer: str | dict[str, Any], n: int) -> list[TrajectoryScore]:
     return [by_id[str(i)] for i in range(1, n + 1)]
 
 
+@dataclass
+class Judgement:
+    """A judge's scores for a list of trajectories, with what obtaining them cost."""
+
+    scores: list[TrajectoryScore]
+    attempts: int
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    #: USD, from litellm's price table; ``None`` when the model's price is unknown (a local judge).
+    cost_usd: float | None = None
+
+
+def _call_cost(litellm: Any, response: Any) -> float | None:
+    try:
+        return float(litellm.completion_cost(completion_response=response))
+    except Exception:  # unknown model or provider: the cost is unknown, not zero
+        return None
+
+
+async def ruler_judgement(
+    message_lists: list[list[Any]],
+    judge_model: str = "openai/o3",
+    extra_litellm_params: dict[str, Any] | None = None,
+    rubric: str = DEFAULT_RUBRIC,
+    tools: list[Any] | None = None,
+    *,
+    max_attempts: int = 2,
+) -> Judgement:
+    """Like :func:`ruler`, and also report the judge calls' tokens and cost."""
+    if not message_lists:
+        return Judgement(scores=[], attempts=0)
+    import litellm  # heavy import, only when a judge is actually called
+
+    prefix_len = common_prefix_len(message_lists)
+    identical = _all_identical(message_lists, prefix_len)
+    if identical:
+        log.warning("all %d trajectories are identical; RULER scores one of them", len(message_lists))
+    n = 1 if identical else len(message_lists)
+    messages = build_judge_messages(message_lists, rubric, tools)
+    usage = Judgement(scores=[], attempts=0, cost_usd=0.0)
+    last_error: RulerError | None = None
+    for attempt in range(1, max(1, max_attempts) + 1):
+        response = await litellm.acompletion(
+            model=judge_model,
+            messages=messages,
+            response_format=RESPONSE_FORMAT,
+            caching=False,
+            **(extra_litellm_params or {}),
+        )
+        usage.attempts = attempt
+        tokens = getattr(response, "usage", None)
+        usage.prompt_tokens += int(getattr(tokens, "prompt_tokens", 0) or 0)
+        usage.completion_tokens += int(getattr(tokens, "completion_tokens", 0) or 0)
+        cost = _call_cost(litellm, response)
+        usage.cost_usd = None if cost is None or usage.cost_usd is None else usage.cost_usd + cost
+        content = response.choices[0].message.content or ""
+        try:
+            scores = parse_scores(content, n)
+        except RulerError as exc:
+            last_error = exc
+            log.warning("RULER judge answer rejected (attempt %d/%d): %s", attempt, max_attempts, exc)
+            continue
+        if identical:
+            only = scores[0]
+            scores = [
+                TrajectoryScore(str(i), only.explanation, only.score)
+                for i in range(1, len(message_lists) + 1)
+            ]
+        usage.scores = scores
+        return usage
+    raise RulerError(f"RULER judge {judge_model} failed after {max_attempts} attempts: {last_error}")
+
+
 async def ruler(
     message_lists: list[list[Any]],
     judge_model: str = "openai/o3",
@@ -176,40 +249,10 @@ async def ruler(
     max_attempts: int = 2,
 ) -> list[TrajectoryScore]:
     """Score each message list relative to the others with an LLM judge, one score per list."""
-    if not message_lists:
-        return []
-    import litellm  # heavy import, only when a judge is actually called
-
-    prefix_len = common_prefix_len(message_lists)
-    identical = _all_identical(message_lists, prefix_len)
-    if identical:
-        log.warning("all %d trajectories are identical; RULER scores one of them", len(message_lists))
-    n = 1 if identical else len(message_lists)
-    messages = build_judge_messages(message_lists, rubric, tools)
-    last_error: RulerError | None = None
-    for attempt in range(1, max(1, max_attempts) + 1):
-        response = await litellm.acompletion(
-            model=judge_model,
-            messages=messages,
-            response_format=RESPONSE_FORMAT,
-            caching=False,
-            **(extra_litellm_params or {}),
-        )
-        content = response.choices[0].message.content or ""
-        try:
-            scores = parse_scores(content, n)
-        except RulerError as exc:
-            last_error = exc
-            log.warning("RULER judge answer rejected (attempt %d/%d): %s", attempt, max_attempts, exc)
-            continue
-        if identical:
-            only = scores[0]
-            return [
-                TrajectoryScore(str(i), only.explanation, only.score)
-                for i in range(1, len(message_lists) + 1)
-            ]
-        return scores
-    raise RulerError(f"RULER judge {judge_model} failed after {max_attempts} attempts: {last_error}")
+    judgement = await ruler_judgement(
+        message_lists, judge_model, extra_litellm_params, rubric, tools, max_attempts=max_attempts
+    )
+    return judgement.scores
 
 
 async def ruler_score_group(

@@ -1,4 +1,4 @@
-"""Toy RL tasks with character-level rewards, for tests, benchmarks and end-to-end runs.
+"""Toy RL tasks, for tests, benchmarks and end-to-end runs.
 
 The tiny random model (``tiny_model.py``) answers nearly uniform tokens from its ~1k vocabulary, so
 a reward must already be met part of the time for GRPO to get a signal, and the tokens that score
@@ -16,14 +16,25 @@ within 60 steps:
 - **digits**: natural for a real instruct model asked for a number, but on the tiny model it starts
   at ~0.003 (10 single-digit tokens in 1,000): most groups score 0 everywhere, no signal.
 
-An empty answer scores 0, so stopping at once is no way out; a short answer that scores 1 is, and
-that is fine for a toy. The task functions are pure (no model, no I/O). ``sample_trajectories``
-stands in for the inference service in tests and benchmarks: it needs torch and a model, and
-imports them lazily.
+For SmolLM2-135M-Instruct (``make demo``) the task is **lowercase**: "Write one short sentence about
+a <subject>, in lowercase letters only.", after one worked example turn. The reward
+(``lowercase_reward``) is 0 for anything empty, repetitive, garbled or not about the subject, so a
+collapse to short or degenerate answers earns nothing; a valid answer scores 0.2, +0.5 without
+uppercase letters, +0.3 as one sentence of 3-15 words. Measured (LoRA r8 with ``lm_head``, 2 groups
+x 8 samples of at most 20 tokens at temperature 1, lr 3e-4, cispo): held-out subjects, 2 seeded
+samples each, 0.35-0.37 before and 0.97-0.99 after 20 steps; greedy 0.74 -> 0.94-0.98. Without the
+worked example the model almost never writes lowercase (none in 48 probe samples, nor in 8
+training steps: no signal); a length reward collapses to empty answers (ENVIRONMENT.md).
+
+An empty answer scores 0 in every task here, so stopping at once is no way out; in the character
+tasks a short answer that scores 1 is, and that is fine for a toy. The task functions are pure (no
+model, no I/O). ``sample_trajectories`` stands in for the inference service in tests and
+benchmarks: it needs torch and a model, and imports them lazily.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +62,79 @@ def digits_task_prompt() -> list[dict[str, str]]:
 def digits_reward(text: str) -> float:
     """Share of the characters that are decimal digits; 0.0 for empty text."""
     return sum(c.isdigit() for c in text) / len(text) if text else 0.0
+
+
+# --------------------------------------------------------------------------- lowercase sentence
+
+#: Subjects of the lowercase-sentence task: the ones a run trains on, and held-out ones it is
+#: evaluated on (never trained on).
+SUBJECTS_TRAIN = (
+    "cat", "dog", "horse", "bird", "owl", "lion", "tiger", "whale", "wolf", "rabbit",
+    "tree", "flower", "rose", "forest", "garden", "river", "lake", "mountain", "desert", "island",
+    "moon", "star", "cloud", "storm", "snow", "rain", "beach", "volcano", "bridge", "castle",
+    "bread", "cheese", "apple", "coffee", "soup", "cake", "train", "ship", "bicycle", "car",
+    "book", "clock", "candle", "chair", "window", "kitchen", "library", "market", "school", "village",
+)  # fmt: skip
+SUBJECTS_HELD_OUT = (
+    "fox", "bee", "frog", "oak", "pond", "valley", "sun", "wind",
+    "pizza", "lemon", "boat", "plane", "lamp", "piano", "museum", "farm",
+)  # fmt: skip
+
+_WORD = re.compile(r"[A-Za-z]+(?:'[A-Za-z]+)?")
+#: What an answer may consist of: ASCII letters, digits, spaces and everyday punctuation.
+_PLAIN = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 \n,.;:!?'\"-()")
+
+
+#: The worked example that opens the lowercase-sentence prompt (its subject is in neither list).
+LOWERCASE_EXAMPLE = ("kite", "a red kite dances high above the windy hill.")
+
+
+def lowercase_task_prompt(subject: str, *, example: bool = True) -> list[dict[str, str]]:
+    """The chat prompt of the lowercase-sentence task for ``subject`` (a noun, lowercase), as OpenAI
+    chat messages: by default one worked example turn, then the question."""
+
+    def ask(noun: str) -> dict[str, str]:
+        return {
+            "role": "user",
+            "content": f"Write one short sentence about a {noun}, in lowercase letters only.",
+        }
+
+    shot = (
+        [ask(LOWERCASE_EXAMPLE[0]), {"role": "assistant", "content": LOWERCASE_EXAMPLE[1]}] if example else []
+    )
+    return [*shot, ask(subject)]
+
+
+def lowercase_reward_parts(text: str, subject: str) -> dict[str, float]:
+    """The checks behind :func:`lowercase_reward`, each 0.0 or 1.0.
+
+    - ``valid``: a real answer: at least 3 words, mostly distinct (at least 60% of them different
+      words), at least 90% plain characters (letters, digits, spaces, everyday punctuation), and it
+      names ``subject`` (or its plural). Empty, repetitive, off-topic or garbled text fails.
+    - ``lowercase``: not a single uppercase letter.
+    - ``one_sentence``: 3-15 words, ending with ``.`` or ``!`` and no other sentence end before it.
+    """
+    stripped = text.strip()
+    words = [w.lower() for w in _WORD.findall(stripped)]
+    plain = sum(c in _PLAIN for c in stripped) / len(stripped) if stripped else 0.0
+    on_topic = re.search(rf"\b{re.escape(subject.lower())}(?:s|es)?\b", stripped.lower()) is not None
+    repetitive = len(set(words)) < 0.6 * len(words)
+    valid = len(words) >= 3 and not repetitive and plain >= 0.9 and on_topic
+    lowercase = bool(stripped) and not any(c.isupper() for c in stripped)
+    one_sentence = (
+        3 <= len(words) <= 15 and stripped[-1:] in (".", "!") and not re.search(r"[.!?](\s|$)", stripped[:-1])
+    )
+    return {"valid": float(valid), "lowercase": float(lowercase), "one_sentence": float(one_sentence)}
+
+
+def lowercase_reward(text: str, subject: str) -> float:
+    """Reward of the lowercase-sentence task, in [0, 1]: 0 unless the answer is ``valid`` (see
+    :func:`lowercase_reward_parts`), then 0.2, plus 0.5 when it has no uppercase letter, plus 0.3
+    when it is one short sentence. Empty or degenerate answers score 0; a good one scores 1."""
+    parts = lowercase_reward_parts(text, subject)
+    if not parts["valid"]:
+        return 0.0
+    return 0.2 + 0.5 * parts["lowercase"] + 0.3 * parts["one_sentence"]
 
 
 def sample_trajectories(

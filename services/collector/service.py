@@ -23,7 +23,7 @@ from artery.services.collector.validate import decode_group
 from artery.shared import subjects
 from artery.shared.bus import CONTENT_TYPE, prepare, publish_prepared
 from artery.shared.consumer import ConsumerOptions, DurableConsumer
-from artery.shared.db import DATABASE_UNAVAILABLE, create_pool
+from artery.shared.db import ServicePool
 from artery.shared.errors import DependencyUnavailable, InvalidMessage
 from artery.shared.logs import get_logger
 from artery.shared.tracing import extract, tracer
@@ -31,8 +31,6 @@ from artery.shared.tracing import extract, tracer
 log = get_logger(__name__)
 SERVICE = "collector"
 _READY_NAMESPACE = uuid.UUID("0d3c7f55-2a5e-4b1e-8f3a-726561647921")
-
-_DB_DOWN = DATABASE_UNAVAILABLE
 
 
 def ready_event_id(group_id: str) -> str:
@@ -44,8 +42,7 @@ class Collector:
         self.js = js
         self.dsn = dsn
         self.settings = settings
-        self.pool: asyncpg.Pool | None = None
-        self._pool_lock = asyncio.Lock()
+        self.db = ServicePool(dsn, max_size=settings.db_pool_size)
         self._tracer = tracer(SERVICE)
         # ``concurrency`` fetch loops on the same durable consumer, each with its own batch (as
         # replicas would be): while one batch waits for PostgreSQL, the next one is decoded.
@@ -57,13 +54,7 @@ class Collector:
                 durable=subjects.COLLECTOR_CONSUMER,
                 filter_subject=subjects.TRAJECTORIES.subjects[0],
                 handler=self.handle_batch,
-                options=ConsumerOptions(
-                    batch_size=settings.batch_size,
-                    fetch_timeout_s=settings.fetch_timeout_s,
-                    ack_wait_s=settings.ack_wait_s,
-                    max_deliveries=settings.max_deliveries,
-                    backoff_max_s=settings.backoff_max_s,
-                ),
+                options=ConsumerOptions.from_settings(settings),
             )
             for _ in range(settings.concurrency)
         ]
@@ -81,8 +72,7 @@ class Collector:
             consumer.stop()
 
     async def close(self) -> None:
-        if self.pool is not None:
-            await self.pool.close()
+        await self.db.close()
 
     async def handle_batch(self, msgs: Sequence[Msg]) -> list[BaseException | None]:
         outcomes: list[BaseException | None] = [None] * len(msgs)
@@ -131,18 +121,8 @@ class Collector:
         return stored
 
     async def _store(self, batch: list[StoredGroup]) -> set[str]:
-        try:
-            async with self._pool_lock:  # concurrent batches must not open two pools
-                if self.pool is None:
-                    self.pool = await create_pool(self.dsn, max_size=self.settings.db_pool_size)
-            async with self.pool.acquire() as conn:
-                return await write_groups(conn, batch)
-        except _DB_DOWN as exc:
-            raise DependencyUnavailable(f"PostgreSQL unavailable: {exc!r}") from exc
-        except asyncpg.exceptions.PostgresError as exc:
-            if type(exc).__name__ in {"TooManyConnectionsError", "QueryCanceledError"}:
-                raise DependencyUnavailable(f"PostgreSQL busy: {exc!r}") from exc
-            raise
+        async with self.db.connection() as conn:
+            return await write_groups(conn, batch)
 
     async def _announce(self, msgs: Sequence[Msg], valid: list[tuple[int, StoredGroup]]) -> None:
         """Publish one ``group.ready`` per stored group, each in its submission's trace."""

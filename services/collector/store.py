@@ -41,6 +41,12 @@ ON CONFLICT DO NOTHING
 """
 
 
+def reward_mean(rewards: list[float]) -> float:
+    """The mean of finite rewards, finite too: dividing first cannot overflow (two rewards of
+    1e308 sum to infinity, which the column would store)."""
+    return sum(r / len(rewards) for r in rewards)
+
+
 def needs_reward(group: TrajectoryGroupSubmitted) -> bool:
     return group.reward is not None and group.reward.ruler is not None
 
@@ -111,7 +117,7 @@ async def write_groups(conn: asyncpg.Connection, batch: Sequence[StoredGroup]) -
         [g.split for g in groups],
         [len(g.bodies) for g in groups],
         [g.num_exceptions for g in groups],
-        [sum(g.rewards) / len(g.rewards) for g in groups],
+        [reward_mean(g.rewards) for g in groups],
         [g.needs_reward for g in groups],
         [g.time for g in groups],
         [g.stream_seq for g in groups],

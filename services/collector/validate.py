@@ -6,6 +6,7 @@ a subject that matches the payload, sizes within bounds.
 
 from __future__ import annotations
 
+import datetime as dt
 import math
 
 from artery.schemas import TrajectoryGroupSubmitted
@@ -28,7 +29,14 @@ def decode_group(
         raise InvalidMessage("too_large", f"{len(data)} bytes is more than the limit of {max_bytes}")
     if not data:
         raise InvalidMessage("decode", "empty message")
-    group = _decoder.decode(data, content_type)
+    try:
+        group = _decoder.decode(data, content_type)
+    # msgspec raises these outside its DecodeError; escaping the handler, they failed (and
+    # redelivered) the whole batch, good groups included, until all were dead-lettered as poison.
+    except UnicodeDecodeError as exc:
+        raise InvalidMessage("decode", f"a string is not valid UTF-8: {exc}") from None
+    except RecursionError:
+        raise InvalidMessage("decode", "nested too deeply to decode") from None
     names = subjects.parse_trajectories(subject)
     if names != (group.project, group.model):
         raise InvalidMessage(
@@ -43,6 +51,12 @@ def decode_group(
             original_id=group.id,
         )
     check_finite(group)
+    try:  # PostgreSQL stores it in UTC, where it must still be a valid datetime
+        group.time.astimezone(dt.UTC)
+    except OverflowError:
+        raise InvalidMessage(
+            "validation", f"time {group.time.isoformat()} is out of range in UTC", original_id=group.id
+        ) from None
     return group
 
 

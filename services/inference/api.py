@@ -4,6 +4,9 @@
 decoded and encoded with msgspec; every error has OpenAI's shape, ``{"error": {message, type, param,
 code}}``, with the status OpenAI would use (400, 401, 404) plus 503 ``engine_paused`` when the pause
 gate gave up waiting, and 500 ``engine_error`` when the engine failed.
+
+A completion runs in an ``inference.chat_completion`` span (SERVER) that continues the caller's
+``traceparent`` header (the SDK's ``openai_client()`` sends it), until the last streamed chunk.
 """
 
 from __future__ import annotations
@@ -12,11 +15,12 @@ import contextlib
 import secrets
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import msgspec
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
+from opentelemetry import trace
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from artery.services.inference.chat import (
@@ -39,8 +43,10 @@ from artery.services.inference.openai_types import (
 from artery.services.inference.serving import EnginePaused, ModelNotFound, Resolved, ServingState
 from artery.services.inference.streaming import EngineStream, sse_events
 from artery.shared.logs import get_logger
+from artery.shared.tracing import extract, tracer
 
 log = get_logger(__name__)
+_tracer = tracer("inference")
 
 
 def create_app(state: ServingState) -> FastAPI:
@@ -78,7 +84,29 @@ def create_app(state: ServingState) -> FastAPI:
 
     @v1.post("/chat/completions")
     async def chat_completions(http: Request) -> Response:
+        span = _tracer.start_span(
+            "inference.chat_completion", context=extract(http.headers), kind=trace.SpanKind.SERVER
+        )
+        streaming = False
+        try:
+            with trace.use_span(span, record_exception=True, set_status_on_exception=True):
+                try:
+                    response = await _chat_completion(http, span)
+                except ApiError as exc:
+                    span.set_attribute("http.response.status_code", exc.status)
+                    raise
+            span.set_attribute("http.response.status_code", response.status_code)
+            if isinstance(response, StreamingResponse):
+                response.body_iterator = _ending(response.body_iterator, span)
+                streaming = True
+            return response
+        finally:
+            if not streaming:
+                span.end()
+
+    async def _chat_completion(http: Request, span: trace.Span) -> Response:
         request = decode_request(await http.body())
+        span.set_attribute("artery.requested_model", request.model)
         check_request(request)
         with _translate_errors():
             state.resolve(request.model)  # an unknown name fails now, not after waiting out a pause
@@ -99,6 +127,7 @@ def create_app(state: ServingState) -> FastAPI:
             stream = EngineStream(engine, state.admit, prepare)
             with _translate_errors():
                 resolved = await stream.start()
+            span.set_attribute("artery.served_name", resolved.served_name)
             events = sse_events(
                 stream,
                 request,
@@ -115,6 +144,7 @@ def create_app(state: ServingState) -> FastAPI:
         with _translate_errors():
             async with state.admit():
                 resolved, generation = prepare()
+                span.set_attribute("artery.served_name", resolved.served_name)
                 completions = await engine.generate(generation)
         return _json(
             _completion(request, request_id, resolved, prompt, completions, pieces(engine.tokenizer))
@@ -122,6 +152,15 @@ def create_app(state: ServingState) -> FastAPI:
 
     app.include_router(v1)
     return app
+
+
+async def _ending(chunks: AsyncIterator, span: trace.Span) -> AsyncIterator:
+    """The streamed body; the request's span ends with it."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    finally:
+        span.end()
 
 
 def _completion(

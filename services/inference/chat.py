@@ -7,7 +7,6 @@ re-tokenise text that may not round-trip.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -27,6 +26,7 @@ from artery.services.inference.openai_types import (
     invalid_request,
 )
 from artery.services.inference.tools import parse_tool_calls
+from artery.shared.chat_template import render_message, render_tools
 
 #: OpenAI's stand-in for a logprob of minus infinity (JSON has no infinities).
 MIN_LOGPROB = -9999.0
@@ -40,35 +40,18 @@ def decode_request(body: bytes) -> ChatCompletionRequest:
         message = str(exc)
         path = re.search(r" - at `\$\.?(.*)`$", message)
         raise invalid_request(message, (path.group(1) or None) if path else None) from None
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
         raise invalid_request(f"The request body is not valid JSON: {exc}") from None
+    except RecursionError:  # raised outside DecodeError for absurdly deep nesting
+        raise invalid_request("The request body is nested too deeply") from None
 
 
 # --------------------------------------------------------------------------- the prompt
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as chat templates expect them: text content, tool-call arguments as objects."""
-    rendered = []
-    for i, message in enumerate(messages):
-        item: dict[str, Any] = {"role": message.role, "content": _text(message, i)}
-        for key in ("name", "tool_call_id", "reasoning_content"):
-            if getattr(message, key) is not None:
-                item[key] = getattr(message, key)
-        if message.tool_calls:
-            item["tool_calls"] = [
-                {
-                    "id": call.id,
-                    "type": "function",
-                    "function": {
-                        "name": call.function.name,
-                        "arguments": _arguments(call.function.arguments),
-                    },
-                }
-                for call in message.tool_calls
-            ]
-        rendered.append(item)
-    return rendered
+    """Messages as chat templates expect them (see ``shared.chat_template``)."""
+    return [render_message(message, _text(message, i)) for i, message in enumerate(messages)]
 
 
 def _text(message: ChatMessage, index: int) -> str:
@@ -84,23 +67,8 @@ def _text(message: ChatMessage, index: int) -> str:
     return "".join(parts)
 
 
-def _arguments(arguments: str | dict[str, Any]) -> Any:
-    # Templates (Qwen's, Llama's) write `arguments | tojson`: a JSON string would come out quoted.
-    if isinstance(arguments, dict):
-        return arguments
-    try:
-        parsed = json.loads(arguments)
-    except ValueError:
-        return arguments
-    return parsed if isinstance(parsed, dict) else arguments
-
-
 def render_prompt(tokenizer: Any, request: ChatCompletionRequest) -> list[int]:
-    tools = None
-    if request.tools:
-        tools = [msgspec.to_builtins(tool) for tool in request.tools]
-        for tool in tools:  # no `"description": null` for templates to print
-            tool["function"] = {k: v for k, v in tool["function"].items() if v is not None}
+    tools = render_tools(request.tools)
     kwargs = {**(request.chat_template_kwargs or {}), "add_generation_prompt": True, "tokenize": True}
     try:
         rendered = tokenizer.apply_chat_template(template_messages(request.messages), tools=tools, **kwargs)

@@ -10,6 +10,10 @@ mismatch is logged and skipped, nothing is loaded), unpack it into the local cac
 ``<model>@<step>`` and tell the serving state through ``on_loaded(step, served_name)``. The
 callback sees every load in order and decides what the bare ``<model>`` name points at (the
 highest step, normally; an old step republished to be "served again" arrives later but lower).
+
+Each load runs in an ``inference.load_adapter`` span (``inference.unload_adapter`` for a
+deletion) that continues the trace the event's headers carry: the publisher's, hence the
+trainer's step and the ``train()`` call that asked for it.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from pathlib import Path
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy
+from opentelemetry import trace
 
 from artery.schemas import CheckpointDeleted, CheckpointPublished
 from artery.services.inference.engine.base import Engine
@@ -33,12 +38,14 @@ from artery.shared.bus import CONTENT_TYPE
 from artery.shared.codec import EventDecoder
 from artery.shared.errors import InvalidMessage
 from artery.shared.logs import get_logger
+from artery.shared.tracing import continue_trace, tracer
 
 log = get_logger(__name__)
 
 OnLoaded = Callable[[int, str], Awaitable[None] | None]
 _decoder = EventDecoder(CheckpointPublished)
 _deleted_decoder = EventDecoder(CheckpointDeleted)
+_tracer = tracer("inference")
 
 
 def served_name(model: str, step: int) -> str:
@@ -107,11 +114,19 @@ class CheckpointWatcher:
     async def _run(self) -> None:
         while True:
             msg = await self._queue.get()
+            deleted = msg.subject == subjects.checkpoint("deleted", self.project, self.model)
+            content_type = (msg.headers or {}).get(CONTENT_TYPE)
             try:
-                if msg.subject == subjects.checkpoint("deleted", self.project, self.model):
-                    await self.handle_deleted(msg.data, (msg.headers or {}).get(CONTENT_TYPE))
-                else:
-                    await self.handle(msg.data, (msg.headers or {}).get(CONTENT_TYPE))
+                with continue_trace(
+                    _tracer,
+                    "inference.unload_adapter" if deleted else "inference.load_adapter",
+                    msg.headers,
+                    attributes={"artery.project": self.project, "artery.model": self.model},
+                ):
+                    if deleted:
+                        await self.handle_deleted(msg.data, content_type)
+                    else:
+                        await self.handle(msg.data, content_type)
             except Exception:  # one bad checkpoint must not stop the replica following the next
                 log.exception("checkpoint handling failed", subject=msg.subject)
 
@@ -144,11 +159,15 @@ class CheckpointWatcher:
             log.error("checkpoint.published without a step; skipped", object_name=event.object_name)
             return None
         name = served_name(self.model, event.step)
+        span = trace.get_current_span()
+        span.set_attribute("artery.step", event.step)
+        span.set_attribute("artery.served_name", name)
         if event.served_name != name:
             log.warning(
                 "served_name differs from <model>@<step>; using the latter", announced=event.served_name
             )
         if self.loaded.get(name) == event.sha256:
+            span.set_attribute("artery.already_loaded", True)
             return name  # the same adapter again (a redelivery after a reconnect)
         archive = await self._fetch(event.object_name)
         if archive is None:

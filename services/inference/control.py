@@ -127,17 +127,18 @@ class ControlServer:
 
     async def _on_resume(self, msg: Msg) -> None:
         lease_id = _lease_hint(msg.data)
+        error = None
         try:
             request = self._decode(_resume_decoder, msg)
             lease_id = request.lease_id
             resumed = await self.gate.resume(request.lease_id)
         except InvalidMessage as exc:
             await self._dead_letter(msg, exc)
-            resumed = not self.gate.paused
-        except Exception:
+            resumed, error = not self.gate.paused, str(exc)
+        except Exception as exc:
             log.exception("resume handling failed")
-            resumed = not self.gate.paused
-        # ResumeAck has no error field: ``resumed`` says whether requests are admitted now.
+            resumed, error = not self.gate.paused, f"internal: {exc!r}"
+        # ``resumed`` says whether requests are admitted now, whatever the outcome of this request.
         ack = ResumeAck(
             id=new_event_id(),
             project=self.project,
@@ -145,6 +146,7 @@ class ControlServer:
             replica_id=self.replica_id,
             lease_id=lease_id,
             resumed=resumed,
+            error=error,
         )
         await self._reply(msg, ack)
 
@@ -211,7 +213,7 @@ def _lease_hint(data: bytes) -> str:
     """The lease id of a request that may not decode, for the error ack (EventId: non-empty)."""
     try:
         value = msgspec.json.decode(data).get("lease_id")
-        if isinstance(value, str) and 0 < len(value) <= 128:
+        if isinstance(value, str) and 0 < len(value) <= 128 and "\x00" not in value:
             return value
     except Exception:
         pass

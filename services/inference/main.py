@@ -70,6 +70,22 @@ async def start(common: CommonSettings, stop: asyncio.Event) -> None:
     nc = await connect_service("inference", common)
     js = nc.jetstream()
     cache_dir = Path(settings.adapter_cache_dir or tempfile.mkdtemp(prefix="artery-adapters-"))
+
+    async def on_loaded(step: int, name: str) -> None:
+        log.info("serving adapter", step=step, name=name)
+        await registry.beat()  # clients waiting for this step read it from the registry now
+
+    watcher = CheckpointWatcher(js, settings.project, settings.model, engine, on_loaded, cache_dir=cache_dir)
+
+    def advertised() -> list[str]:
+        # The engine serves an adapter a moment before the watcher has finished with it (logged,
+        # announced); a heartbeat in between must not tell clients waiting for that step yet.
+        return [
+            name
+            for name, adapter in state.served().items()
+            if adapter is None or adapter in watcher.loaded or name == settings.model
+        ]
+
     registry = ReplicaRegistry(
         js,
         gate,
@@ -78,15 +94,9 @@ async def start(common: CommonSettings, stop: asyncio.Event) -> None:
         model=settings.model,
         engine=engine.kind,
         url=url,
-        served=lambda: list(state.served()),
+        served=advertised,
         heartbeat_s=settings.heartbeat_s,
     )
-
-    async def on_loaded(step: int, name: str) -> None:
-        log.info("serving adapter", step=step, name=name)
-        await registry.beat()  # clients waiting for this step read it from the registry now
-
-    watcher = CheckpointWatcher(js, settings.project, settings.model, engine, on_loaded, cache_dir=cache_dir)
     control = ControlServer(
         nc,
         gate,

@@ -92,7 +92,8 @@ class ChatCompletionRequest(Request, kw_only=True):
     max_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
     max_completion_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
     stop: str | Annotated[list[str], msgspec.Meta(max_length=16)] | None = None
-    seed: int | None = None
+    #: A signed 64-bit integer, as engines take it (a larger one would fail in the engine, as a 500).
+    seed: Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     logprobs: bool | None = None

@@ -23,15 +23,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 
-import asyncpg
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.errors import NotFoundError
-from opentelemetry import trace
 
 from artery.schemas import CheckpointDeleted, CheckpointPublished, CheckpointSaved, Event
 from artery.services.publisher import files, store
@@ -43,18 +40,16 @@ from artery.shared.adapters import put_adapter
 from artery.shared.bus import CONTENT_TYPE, publish_event
 from artery.shared.codec import EventDecoder
 from artery.shared.consumer import ConsumerOptions, DurableConsumer
-from artery.shared.db import DATABASE_UNAVAILABLE, create_pool
+from artery.shared.db import ServicePool
 from artery.shared.errors import DependencyUnavailable, InvalidMessage
 from artery.shared.logs import get_logger
-from artery.shared.tracing import extract, tracer
+from artery.shared.tracing import continue_trace, tracer
 
 log = get_logger(__name__)
 SERVICE = "publisher"
 _PUBLISHED_NAMESPACE = uuid.UUID("8a4f2c1e-7b3d-4f6a-9e5c-7075626c6973")
 _DELETED_NAMESPACE = uuid.UUID("8a4f2c1e-7b3d-4f6a-9e5c-64656c657465")
 _decoder = EventDecoder(CheckpointSaved)
-
-_DB_DOWN = DATABASE_UNAVAILABLE
 
 
 def object_name(project: str, model: str, step: int) -> str:
@@ -82,11 +77,9 @@ class Publisher:
     def __init__(self, nc: NATS, dsn: str, settings: PublisherSettings):
         self.nc = nc
         self.js = nc.jetstream()
-        self.dsn = dsn
         self.settings = settings
         self.policy = settings.retention_policy()
-        self.pool: asyncpg.Pool | None = None
-        self._pool_lock = asyncio.Lock()
+        self.db = ServicePool(dsn, max_size=settings.db_pool_size)
         self._tracer = tracer(SERVICE)
         self.consumer = DurableConsumer(
             self.js,
@@ -95,13 +88,7 @@ class Publisher:
             durable=subjects.PUBLISHER_CONSUMER,
             filter_subject=subjects.CHECKPOINTS_SAVED,
             handler=self.handle_batch,
-            options=ConsumerOptions(
-                batch_size=settings.batch_size,
-                fetch_timeout_s=settings.fetch_timeout_s,
-                ack_wait_s=settings.ack_wait_s,
-                max_deliveries=settings.max_deliveries,
-                backoff_max_s=settings.backoff_max_s,
-            ),
+            options=ConsumerOptions.from_settings(settings),
         )
 
     async def start(self) -> None:
@@ -114,8 +101,7 @@ class Publisher:
         self.consumer.stop()
 
     async def close(self) -> None:
-        if self.pool is not None:
-            await self.pool.close()
+        await self.db.close()
 
     async def handle_batch(self, msgs: Sequence[Msg]) -> list[BaseException | None]:
         """One at a time, in stream order; after an outage the rest of the batch waits too."""
@@ -139,10 +125,12 @@ class Publisher:
                 f"{saved.project}/{saved.model} published on {msg.subject}",
                 original_id=saved.id,
             )
-        with self._tracer.start_as_current_span(
+        # The trainer's step span published checkpoint.saved: this continues its trace, and
+        # checkpoint.published (published inside) carries it on to every inference replica.
+        with continue_trace(
+            self._tracer,
             "publisher.publish_checkpoint",
-            context=extract(msg.headers),
-            kind=trace.SpanKind.CONSUMER,
+            msg.headers,
             attributes={
                 "artery.project": saved.project,
                 "artery.model": saved.model,
@@ -159,7 +147,7 @@ class Publisher:
         if saved.step is None:
             raise InvalidMessage("validation", "checkpoint.saved needs a step")
         path = files.adapter_path(saved.uri)
-        async with self._connection() as conn:
+        async with self.db.connection() as conn:
             row = _same_event(saved, await store.find(conn, saved.project, saved.model, saved.step, saved.id))
         if row is None:
             data = await asyncio.to_thread(files.read_adapter, path, saved.sha256, saved.size_bytes)
@@ -179,7 +167,7 @@ class Publisher:
             )
             await self._put_object(row.object_name, data, row.sha256)
             del data
-            async with self._connection() as conn:
+            async with self.db.connection() as conn:
                 if not await store.insert(conn, row):  # another replica got there first
                     found = await store.find(conn, saved.project, saved.model, saved.step, saved.id)
                     row = _same_event(saved, found)
@@ -190,7 +178,7 @@ class Publisher:
             await self._publish(
                 subjects.checkpoint("published", row.project, row.model), published_event(row)
             )
-            async with self._connection() as conn:
+            async with self.db.connection() as conn:
                 await store.mark_published(conn, row.project, row.model, row.step)
             log.info("published", project=row.project, model=row.model, step=row.step)
         await self.apply_retention(row.project, row.model, self.policy, reason="retention")
@@ -199,7 +187,7 @@ class Publisher:
         self, project: str, model: str, policy: RetentionPolicy, *, reason: str
     ) -> RetentionPlan:
         """Delete what ``policy`` does not keep; returns the plan (``delete``: deleted now)."""
-        async with self._connection() as conn, conn.transaction():
+        async with self.db.connection() as conn, conn.transaction():
             await store.lock_model(conn, project, model)
             rows = {r.step: r for r in await store.live(conn, project, model)}
             plan = plan_retention([Checkpoint(r.step, r.metrics) for r in rows.values()], policy)
@@ -219,21 +207,6 @@ class Publisher:
         if plan.delete:
             log.info("retention", project=project, model=model, kept=plan.keep, deleted=plan.delete)
         return plan
-
-    @contextlib.asynccontextmanager
-    async def _connection(self) -> AsyncIterator[asyncpg.Connection]:
-        try:
-            async with self._pool_lock:
-                if self.pool is None:
-                    self.pool = await create_pool(self.dsn, max_size=self.settings.db_pool_size)
-            async with self.pool.acquire() as conn:
-                yield conn
-        except _DB_DOWN as exc:
-            raise DependencyUnavailable(f"PostgreSQL unavailable: {exc!r}") from exc
-        except asyncpg.exceptions.PostgresError as exc:
-            if type(exc).__name__ in {"TooManyConnectionsError", "QueryCanceledError"}:
-                raise DependencyUnavailable(f"PostgreSQL busy: {exc!r}") from exc
-            raise
 
     async def _put_object(self, name: str, data: bytes, sha256: str) -> None:
         try:

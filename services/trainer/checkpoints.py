@@ -43,12 +43,20 @@ def latest_step(settings: TrainerSettings, record: ModelRecord) -> int:
 def step_for_request(
     settings: TrainerSettings, record: ModelRecord, request_id: str
 ) -> tuple[int, dict] | None:
-    """The step a request already produced (found in the latest step's record), if any."""
-    step = latest_step(settings, record)
-    if step == 0:
+    """The step a request already produced (found in a step's record, newest first), if any.
+
+    Not only the latest: a request that saved its step but could not record it (PostgreSQL
+    down, a crash) may be redelivered after another request has trained on top of it."""
+    root = model_dir(settings, record)
+    if not root.exists():
         return None
-    info = json.loads((step_dir(settings, record, step) / STEP_FILE).read_text())
-    return (step, info["metrics"]) if info.get("request_id") == request_id else None
+    for path in sorted(root.glob("[0-9]" * 6), reverse=True):
+        step_file = path / STEP_FILE
+        if step_file.exists():
+            info = json.loads(step_file.read_text())
+            if info.get("request_id") == request_id:
+                return int(path.name), info["metrics"]
+    return None
 
 
 def lora_settings(settings: TrainerSettings, record: ModelRecord) -> LoraSettings:

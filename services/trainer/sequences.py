@@ -35,7 +35,6 @@ around the content (Qwen3) are not special-cased.
 
 from __future__ import annotations
 
-import json
 import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -43,10 +42,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from msgspec.structs import asdict
 from torch import Tensor
 
 from artery.schemas import Message, TextPart, Tool, Trajectory
+from artery.shared.chat_template import render_message, render_tools
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -151,37 +150,17 @@ def placeholder(index: int) -> str:
 
 
 def template_message(message: Message, content: str | None = None) -> dict[str, Any]:
-    """The message as the inference service hands it to the chat template (text content, tool-call
-    arguments as objects), so the context renders to the tokens the engine was prompted with.
-    ``content`` replaces the content, its tool calls and its reasoning (a splice placeholder)."""
-    rendered: dict[str, Any] = {
-        "role": message.role,
-        "content": _text(message) if content is None else content,
-    }
-    keys = ("name", "tool_call_id") + (("reasoning_content",) if content is None else ())
-    for key in keys:
-        if getattr(message, key) is not None:
-            rendered[key] = getattr(message, key)
-    if message.tool_calls and content is None:
-        rendered["tool_calls"] = [
-            {
-                "id": call.id,
-                "type": "function",
-                "function": {"name": call.function.name, "arguments": _arguments(call.function.arguments)},
-            }
-            for call in message.tool_calls
-        ]
-    return rendered
+    """The message as the inference service hands it to the chat template, so the context renders
+    to the tokens the engine was prompted with. ``content`` replaces the content, its tool calls
+    and its reasoning (a splice placeholder)."""
+    if content is None:
+        return render_message(message, _text(message))
+    return render_message(message, content, placeholder=True)
 
 
 def template_tools(tools: Sequence[Tool] | None) -> list[dict[str, Any]] | None:
-    """Tools as the inference service renders them: no ``null`` fields for templates to print."""
-    if not tools:
-        return None
-    return [
-        {"type": tool.type, "function": {k: v for k, v in asdict(tool.function).items() if v is not None}}
-        for tool in tools
-    ]
+    """Tools as the inference service renders them."""
+    return render_tools(tools)
 
 
 def _text(message: Message) -> str:
@@ -192,15 +171,6 @@ def _text(message: Message) -> str:
     if any(not isinstance(part, TextPart) for part in message.content):
         raise SequenceError("unsupported_content", "only text content can be trained on")
     return "".join(part.text for part in message.content if isinstance(part, TextPart))
-
-
-def _arguments(arguments: str) -> Any:
-    # Templates write `arguments | tojson`; invalid JSON the model wrote stays a string: that is data.
-    try:
-        parsed = json.loads(arguments)
-    except ValueError:
-        return arguments
-    return parsed if isinstance(parsed, dict) else arguments
 
 
 def _token_span(encoding: Any, text: str, marker: str) -> tuple[int, int]:

@@ -6,22 +6,27 @@ publish ``checkpoint.saved``, record the step, advance the model's step in the r
 inference, and answer with ``train.completed``. A redelivered request is answered from the
 record (or from the checkpoint it already produced) and never trains twice; a trainer that dies
 mid-step leaves inference paused no longer than the lease.
+
+Tracing: each request is handled in a ``trainer.step`` span, the child of the span that published
+``train.requested`` (the SDK's ``train()``), with a link to every group's submission (the
+``Artery-Trace-Links`` header); ``checkpoint.saved`` and ``train.completed`` carry the step's context.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
-import asyncpg
 import msgspec
 import nats
 from nats.aio.msg import Msg
 from nats.js.errors import KeyNotFoundError
+from opentelemetry import trace
 
 from artery.schemas import (
     CheckpointSaved,
@@ -37,10 +42,11 @@ from artery.shared import subjects
 from artery.shared.bus import CONTENT_TYPE, publish_event
 from artery.shared.codec import EventDecoder
 from artery.shared.consumer import ConsumerOptions, DurableConsumer
-from artery.shared.control_client import paused
-from artery.shared.db import create_pool
+from artery.shared.control_client import PauseFailed, paused
+from artery.shared.db import ServicePool
 from artery.shared.errors import DependencyUnavailable, InvalidMessage
 from artery.shared.logs import get_logger
+from artery.shared.tracing import continue_trace, extract_links, tracer
 
 log = get_logger(__name__)
 SERVICE = "trainer"
@@ -60,6 +66,26 @@ def finite(metrics: dict) -> dict[str, float]:
     return {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and math.isfinite(v)}
 
 
+@contextlib.asynccontextmanager
+async def keep_alive(msg: Msg, ack_wait_s: float):
+    """Tell JetStream the request is still being worked on, three times per ack wait, so that a
+    short ack wait (a crashed trainer's request comes back soon) does not redeliver a long step."""
+
+    async def beat() -> None:
+        while True:
+            await asyncio.sleep(max(0.5, ack_wait_s / 3))
+            with contextlib.suppress(Exception):  # a lost heartbeat only risks a redelivery
+                await msg.in_progress()
+
+    task = asyncio.create_task(beat())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
 class GroupsNotStored(Exception):
     pass
 
@@ -68,11 +94,13 @@ class Trainer:
     def __init__(self, nc: nats.NATS, dsn: str, settings: TrainerSettings, *, trainer_id: str = SERVICE):
         self.nc = nc
         self.js = nc.jetstream()
-        self.dsn = dsn
         self.settings = settings
         self.trainer_id = trainer_id
-        self.pool: asyncpg.Pool | None = None
+        # Opened at start; an outage later is waited out (nak, back off), never a failure of the
+        # request, which would dead-letter it as poison in the end.
+        self.db = ServicePool(dsn, max_size=2)
         self.policies = checkpoints.PolicyCache(settings)
+        self._tracer = tracer(SERVICE)
         self.consumer = DurableConsumer(
             self.js,
             service=SERVICE,
@@ -84,7 +112,7 @@ class Trainer:
         )
 
     async def start(self) -> None:
-        self.pool = await create_pool(self.dsn, max_size=2)
+        await self.db.open()
         await self.consumer.start()
 
     async def run(self) -> None:
@@ -94,29 +122,64 @@ class Trainer:
         self.consumer.stop()
 
     async def close(self) -> None:
-        if self.pool is not None:
-            await self.pool.close()
+        await self.db.close()
 
     async def handle_batch(self, msgs: Sequence[Msg]) -> list[BaseException | None]:
         outcomes: list[BaseException | None] = []
         for msg in msgs:
             try:
                 request = _decoder.decode(msg.data, (msg.headers or {}).get(CONTENT_TYPE))
-                await self.handle(request, msg)
+                non_finite = [
+                    name
+                    for name, value in msgspec.structs.asdict(request.config).items()
+                    if isinstance(value, float) and not math.isfinite(value)
+                ]
+                if non_finite:  # msgpack carries NaN and infinities, which JSON Schema cannot forbid
+                    raise InvalidMessage(
+                        "non_finite", f"config {', '.join(non_finite)} must be finite", original_id=request.id
+                    )
+                # NATS permissions scope an agent to its project's subjects: the payload must not
+                # name another project's model, or an agent could train (and pause) someone else's.
+                if msg.subject != subjects.train("requested", request.project, request.model):
+                    raise InvalidMessage(
+                        "subject_mismatch",
+                        f"{request.project}/{request.model} requested on {msg.subject}",
+                        original_id=request.id,
+                    )
+                with continue_trace(
+                    self._tracer,
+                    "trainer.step",
+                    msg.headers,
+                    attributes={
+                        "artery.project": request.project,
+                        "artery.model": request.model,
+                        "artery.request_id": request.id,
+                        "artery.groups": len(request.group_ids),
+                    },
+                    links=extract_links(msg.headers),
+                ):
+                    async with keep_alive(msg, self.settings.ack_wait_s):
+                        await self.handle(request)
                 outcomes.append(None)
             except (InvalidMessage, DependencyUnavailable) as exc:
                 outcomes.append(exc)
+            except PauseFailed as exc:
+                # A replica that died stays registered until its heartbeat expires (30 s): an outage
+                # to wait out with back-off, never a reason to dead-letter the request.
+                outcomes.append(DependencyUnavailable(f"inference did not pause: {exc}"))
         return outcomes
 
-    async def handle(self, request: TrainRequested, msg: Msg | None = None) -> TrainCompleted | TrainFailed:
-        async with self.pool.acquire() as conn:
+    async def handle(self, request: TrainRequested) -> TrainCompleted | TrainFailed:
+        async with self.db.connection() as conn:
             done = await completed_step(conn, request.id)
         if done is not None:  # a redelivery: answer again, train nothing
             step, metrics = done
+            # A crash between recording the step and advancing the registry left it behind.
+            await self._advance_registry(request, step)
             return await self._complete(request, step, metrics)
         record = await self._model_record(request)
         try:
-            groups = await self._wait_for_groups(request, msg)
+            groups = await self._wait_for_groups(request)
         except GroupsNotStored as exc:
             return await self._fail(request, str(exc), retriable=True)
         return await self._train(request, record, groups)
@@ -140,22 +203,21 @@ class Trainer:
             )
         return record
 
-    async def _wait_for_groups(self, request: TrainRequested, msg: Msg | None) -> list:
+    async def _wait_for_groups(self, request: TrainRequested) -> list:
         """Groups are published just before the request; the collector may still be writing them."""
         deadline = time.monotonic() + self.settings.group_wait_s
         wanted = set(request.group_ids)
         while True:
-            async with self.pool.acquire() as conn:
-                missing = wanted - await stored_group_ids(conn, request.group_ids)
+            async with self.db.connection() as conn:
+                ready = await stored_group_ids(conn, request.project, request.model, request.group_ids)
+                missing = wanted - ready
                 if not missing:
-                    return await load_groups(conn, request.group_ids)
+                    return await load_groups(conn, request.project, request.model, request.group_ids)
             if time.monotonic() > deadline:
                 raise GroupsNotStored(
                     f"{len(missing)} of {len(wanted)} groups were never stored: {sorted(missing)[:5]}"
                 )
-            if msg is not None:
-                await msg.in_progress()  # we are alive: do not redeliver yet
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.1)  # (keep_alive tells JetStream we are still at it)
 
     async def _train(self, request: TrainRequested, record: ModelRecord, groups: list) -> TrainCompleted:
         started = time.monotonic()
@@ -194,7 +256,7 @@ class Trainer:
                 }
             self.policies.advance(record, new_step)
         await self._publish_checkpoint(request, record, new_step, metrics)
-        async with self.pool.acquire() as conn:
+        async with self.db.connection() as conn:
             await record_step(
                 conn,
                 request_id=request.id,
@@ -207,6 +269,11 @@ class Trainer:
             )
         await self._advance_registry(request, new_step)
         metrics["step_total_s"] = time.monotonic() - started
+        span = trace.get_current_span()
+        span.set_attribute("artery.step", new_step)
+        for key in ("loss", "reward_mean", "trained"):
+            if isinstance(metrics.get(key), int | float) and math.isfinite(metrics[key]):
+                span.set_attribute(f"artery.{key}", float(metrics[key]))
         log.info(
             "trained",
             project=request.project,

@@ -31,7 +31,10 @@ class TrainerSettings(msgspec.Struct, kw_only=True, frozen=True):
     group_wait_s: Annotated[
         float, doc("how long a train request waits for its groups to be stored", gt=0)
     ] = 120.0
-    ack_wait_s: Annotated[float, doc("time a step may take before the request is redelivered", gt=0)] = 900.0
+    ack_wait_s: Annotated[
+        float,
+        doc("silence before a request is redelivered (a running step renews it: crashes show soon)", gt=0),
+    ] = 60.0
     torch_threads: Annotated[
         int,
         doc("CPU threads torch may use (0: torch's default, every core); set it when sharing cores", ge=0),

@@ -13,22 +13,64 @@ from artery.schemas import Trajectory
 _trajectory = msgspec.json.Decoder(Trajectory)
 
 
-async def stored_group_ids(conn: asyncpg.Connection, group_ids: Sequence[str]) -> set[str]:
-    rows = await conn.fetch("SELECT id FROM trajectory_groups WHERE id = ANY($1::text[])", list(group_ids))
+async def stored_group_ids(
+    conn: asyncpg.Connection, project: str, model: str, group_ids: Sequence[str]
+) -> set[str]:
+    """The model's groups that are ready to train on: stored, and judged when they asked for a
+    judge (a verdict row exists, scores or error). Another model's group ids never are."""
+    rows = await conn.fetch(
+        "SELECT g.id FROM trajectory_groups g WHERE g.id = ANY($1::text[])"
+        " AND g.project = $2 AND g.model = $3"
+        " AND (NOT g.needs_reward OR EXISTS (SELECT 1 FROM group_rewards r WHERE r.group_id = g.id))",
+        list(group_ids),
+        project,
+        model,
+    )
     return {r["id"] for r in rows}
 
 
-async def load_groups(conn: asyncpg.Connection, group_ids: Sequence[str]) -> list[list[Trajectory]]:
-    """The groups' trajectories, in the order of ``group_ids`` and of their index in each group."""
+async def load_groups(
+    conn: asyncpg.Connection, project: str, model: str, group_ids: Sequence[str]
+) -> list[list[Trajectory]]:
+    """The groups' trajectories, in the order of ``group_ids`` and of their index in each group.
+
+    A judged group's rewards are the reward service's (the agent's own is kept in
+    ``metrics["independent_reward"]``, the judge's in ``metrics["ruler_score"]``, as ART's RULER
+    does); a group the judge could not score is left out.
+    """
+    unscored = {
+        r["group_id"]
+        for r in await conn.fetch(
+            "SELECT group_id FROM group_rewards WHERE group_id = ANY($1::text[]) AND error IS NOT NULL",
+            list(group_ids),
+        )
+    }
     rows = await conn.fetch(
-        "SELECT group_id, idx, body::text AS body FROM trajectories"
-        " WHERE group_id = ANY($1::text[]) ORDER BY group_id, idx",
+        "SELECT t.group_id, t.idx, t.body::text AS body, r.reward AS judged, r.judge_score,"
+        " r.independent_reward FROM trajectories t"
+        " JOIN trajectory_groups g ON g.id = t.group_id AND g.project = $2 AND g.model = $3"
+        " LEFT JOIN trajectory_rewards r ON r.group_id = t.group_id AND r.idx = t.idx"
+        " WHERE t.group_id = ANY($1::text[]) ORDER BY t.group_id, t.idx",
         list(group_ids),
+        project,
+        model,
     )
-    by_group: dict[str, list[Trajectory]] = {gid: [] for gid in group_ids}
+    by_group: dict[str, list[Trajectory]] = {gid: [] for gid in group_ids if gid not in unscored}
+    found = {row["group_id"] for row in rows}
+    by_group = {gid: ts for gid, ts in by_group.items() if gid in found}  # another model's: left out
     for row in rows:
-        by_group[row["group_id"]].append(_trajectory.decode(row["body"]))
-    return [by_group[gid] for gid in group_ids]
+        if row["group_id"] in unscored:
+            continue
+        trajectory = _trajectory.decode(row["body"])
+        if row["judged"] is not None:
+            trajectory.metrics = {
+                **trajectory.metrics,
+                "independent_reward": row["independent_reward"],
+                "ruler_score": row["judge_score"],
+            }
+            trajectory.reward = row["judged"]
+        by_group[row["group_id"]].append(trajectory)
+    return [by_group[gid] for gid in group_ids if gid in by_group]
 
 
 async def completed_step(conn: asyncpg.Connection, request_id: str) -> tuple[int, dict] | None:

@@ -1,0 +1,3 @@
+from artery.services.reward.main import main
+
+main()

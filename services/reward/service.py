@@ -1,0 +1,270 @@
+"""The reward service: ``group.ready`` in, an LLM judge's scores into PostgreSQL, ``group.scored`` out.
+
+Only groups submitted with ``reward=RewardSpec(ruler=...)`` are scored; the others already carry
+final rewards and are acknowledged untouched. For each group to score:
+1. a stored verdict (scores, or the error that stopped them) means the work is done: a
+   redelivery or a second replica goes straight to step 3 and never pays for the judge twice;
+2. the judge (RULER through litellm) ranks the group's trajectories against each other; its
+   answer is retried when malformed, then the failure itself is stored as the verdict (a verdict
+   PostgreSQL is down for is kept in memory until the redelivery stores it: one judge call);
+3. scores: ``group.scored`` is published (its id derived from the group id, so JetStream drops a
+   repeat), then the message is acked. An error: the message is dead-lettered with the reason.
+
+The trainer treats a group that needs a reward as ready once it has a verdict, and leaves out a
+group whose verdict is an error, so a judge that cannot score a group never stalls training.
+A judge that cannot be reached (connection refused, timeout, rate limit, 5xx) is an outage, not
+bad input: the message is retried with back-off until the judge answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from opentelemetry import trace
+
+from artery.rewards.ruler import DEFAULT_RUBRIC, RulerError, ruler_judgement
+from artery.schemas import GroupReady, GroupScored, JudgeUsage, Trajectory, TrajectoryScore
+from artery.services.reward.settings import RewardSettings
+from artery.services.reward.store import GroupToScore, Verdict, load_group, record_verdict, stored_verdict
+from artery.shared import subjects
+from artery.shared.bus import CONTENT_TYPE, publish_event
+from artery.shared.codec import EventDecoder
+from artery.shared.consumer import ConsumerOptions, DurableConsumer
+from artery.shared.db import ServicePool
+from artery.shared.errors import DependencyUnavailable, InvalidMessage
+from artery.shared.logs import get_logger
+from artery.shared.tracing import extract, tracer
+
+log = get_logger(__name__)
+SERVICE = "reward"
+_SCORED_NAMESPACE = uuid.UUID("3b9e6c2a-1f4d-4e8b-a7c5-72756c657221")
+_decoder = EventDecoder(GroupReady)
+
+
+def scored_event_id(group_id: str) -> str:
+    return str(uuid.uuid5(_SCORED_NAMESPACE, group_id))
+
+
+def judge_view(trajectory: Trajectory) -> list[dict[str, Any]]:
+    """The conversation as the judge should read it: the sampled tokens and logprobs are the
+    trainer's business (and would multiply the judge's bill), so they are left out."""
+    return [
+        msgspec.to_builtins(msgspec.structs.replace(m, sample=None, trainable=None))
+        for m in trajectory.messages
+    ]
+
+
+def _judge_failures() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:
+    """What a judge call can raise, split into (this group cannot be judged: a 400, 404 or 422
+    about the request itself, such as an unknown model or a context too long; the judge cannot be
+    reached or answered badly: every other API error, timeouts and connection errors). litellm's
+    exceptions derive from the openai client's, so those classes cover every provider."""
+    import openai
+
+    bad_request = (openai.BadRequestError, openai.NotFoundError, openai.UnprocessableEntityError)
+    return bad_request, (openai.APIError, OSError, TimeoutError)
+
+
+class RewardService:
+    def __init__(self, nc: NATS, dsn: str, settings: RewardSettings):
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.settings = settings
+        self.db = ServicePool(dsn, max_size=settings.db_pool_size)
+        self._tracer = tracer(SERVICE)
+        self._judging = asyncio.Semaphore(settings.concurrency)
+        #: Verdicts the judge gave that PostgreSQL was not there to store (group id -> verdict, rubric).
+        self._unrecorded: dict[str, tuple[Verdict, str | None]] = {}
+        #: Per group being scored: its lock and how many deliveries hold or wait for it (``score``).
+        self._group_locks: dict[str, list] = {}
+        self.judge_available = importlib.util.find_spec("litellm") is not None
+        self.consumer = DurableConsumer(
+            self.js,
+            service=SERVICE,
+            stream=subjects.GROUPS,
+            durable=subjects.REWARD_CONSUMER,
+            filter_subject=subjects.GROUPS_READY,
+            handler=self.handle_batch,
+            options=ConsumerOptions.from_settings(settings),
+        )
+
+    async def start(self) -> None:
+        if self.judge_available:
+            # litellm takes seconds to import: do it now, off the event loop, not on the first group.
+            await asyncio.to_thread(importlib.import_module, "litellm")
+        else:
+            log.warning("litellm is not installed: groups asking for RULER will be dead-lettered")
+        await self.consumer.start()
+
+    async def run(self) -> None:
+        await self.consumer.run()
+
+    def stop(self) -> None:
+        self.consumer.stop()
+
+    async def close(self) -> None:
+        await self.db.close()
+
+    async def handle_batch(self, msgs: Sequence[Msg]) -> list[BaseException | None]:
+        return list(await asyncio.gather(*(self._outcome(msg) for msg in msgs)))
+
+    async def _outcome(self, msg: Msg) -> BaseException | None:
+        try:
+            ready = _decoder.decode(msg.data, (msg.headers or {}).get(CONTENT_TYPE))
+            if not ready.needs_reward:
+                return None  # the agent's rewards are final
+            with self._tracer.start_as_current_span(
+                "reward.score_group",
+                context=extract(msg.headers),
+                kind=trace.SpanKind.CONSUMER,
+                attributes={"artery.group_id": ready.group_id, "artery.project": ready.project},
+            ):
+                await self.score(ready, msg)
+            return None
+        except (InvalidMessage, DependencyUnavailable) as exc:
+            return exc
+
+    async def score(self, ready: GroupReady, msg: Msg | None = None) -> GroupScored:
+        """Score the group once, store the verdict, announce it (or raise it as InvalidMessage).
+
+        Deliveries of one group are handled one at a time: a redelivery that arrives while the
+        first delivery still waits for the judge (or for PostgreSQL) then finds its verdict
+        instead of paying for the judge again."""
+        entry = self._group_locks.setdefault(ready.group_id, [asyncio.Lock(), 0])
+        entry[1] += 1  # deliveries holding or waiting for the lock
+        try:
+            async with entry[0]:
+                return await self._score(ready, msg)
+        finally:
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self._group_locks[ready.group_id]
+
+    async def _score(self, ready: GroupReady, msg: Msg | None) -> GroupScored:
+        verdict = await self._db(stored_verdict, ready.group_id)
+        if verdict is None:
+            judged = self._unrecorded.get(ready.group_id)
+            if judged is None:
+                group = await self._db(load_group, ready.group_id)
+                if group is None:
+                    raise InvalidMessage(
+                        "unknown_group",
+                        f"group {ready.group_id} has no stored trajectories",
+                        original_id=ready.id,
+                    )
+                async with self._judging:
+                    if msg is not None:
+                        await msg.in_progress()  # judges are slow: do not redeliver meanwhile
+                    judged = (
+                        await self._judge(group),
+                        group.spec.ruler.rubric if group.spec and group.spec.ruler else None,
+                    )
+            try:
+                verdict = await self._db(record_verdict, ready.group_id, *judged)
+            except DependencyUnavailable:
+                # PostgreSQL went away after the judge answered: keep the answer for the
+                # redelivery, so an outage never pays for the judge twice.
+                self._unrecorded[ready.group_id] = judged
+                raise
+            self._unrecorded.pop(ready.group_id, None)
+            log.info(
+                "group scored" if verdict.error is None else "group could not be scored",
+                group_id=ready.group_id,
+                judge=verdict.judge_model,
+                attempts=verdict.attempts,
+                cost_usd=verdict.cost_usd,
+                error=verdict.error,
+            )
+        else:
+            self._unrecorded.pop(ready.group_id, None)  # another replica stored one meanwhile
+        if verdict.error is not None:
+            raise InvalidMessage("ruler", verdict.error, original_id=ready.id)
+        scored = scored_event(ready, verdict)
+        try:
+            await publish_event(self.js, subjects.group_scored(ready.project, ready.model), scored)
+        except Exception as exc:  # the verdict is stored; the redelivery announces it again
+            raise DependencyUnavailable(f"publishing group.scored failed: {exc!r}") from exc
+        return scored
+
+    async def _judge(self, group: GroupToScore) -> Verdict:
+        ruler = group.spec.ruler if group.spec else None
+        judge_model = (ruler.judge_model if ruler else None) or self.settings.judge_model
+        independent = [t.reward for t in group.trajectories]
+
+        def failed(reason: str, attempts: int = 1) -> Verdict:
+            return Verdict(judge_model, reason, attempts, 0, 0, None, [])
+
+        if not self.judge_available:
+            return failed("the reward service cannot call a judge: litellm is not installed", 0)
+        if any(t.additional_histories for t in group.trajectories):
+            return failed("RULER does not score trajectories with additional histories", 0)
+        bad_request, unreachable = _judge_failures()
+        tools = group.trajectories[0].tools
+        try:
+            judgement = await ruler_judgement(
+                [judge_view(t) for t in group.trajectories],
+                judge_model=judge_model,
+                extra_litellm_params=self.settings.litellm_params(),
+                rubric=(ruler.rubric if ruler else None) or DEFAULT_RUBRIC,
+                tools=msgspec.to_builtins(tools) if tools else None,
+                max_attempts=self.settings.max_attempts,
+            )
+        except RulerError as exc:
+            return failed(str(exc), self.settings.max_attempts)
+        except bad_request as exc:
+            return failed(f"the judge refused the request: {exc}")
+        except unreachable as exc:
+            raise DependencyUnavailable(f"judge {judge_model} unavailable: {exc!r}") from exc
+        combine = bool(ruler and ruler.combine_with_reward)
+        rows = [
+            (i, s.score + independent[i] if combine else s.score, s.score, independent[i], s.explanation)
+            for i, s in enumerate(judgement.scores)
+        ]
+        return Verdict(
+            judge_model,
+            None,
+            judgement.attempts,
+            judgement.prompt_tokens,
+            judgement.completion_tokens,
+            judgement.cost_usd,
+            rows,
+        )
+
+    async def _db(self, operation, *args):
+        async with self.db.connection() as conn:
+            return await operation(conn, *args)
+
+
+def scored_event(ready: GroupReady, verdict: Verdict) -> GroupScored:
+    return GroupScored(
+        id=scored_event_id(ready.group_id),
+        project=ready.project,
+        model=ready.model,
+        step=ready.step,
+        group_id=ready.group_id,
+        split=ready.split,
+        scores=[
+            TrajectoryScore(
+                index=index,
+                score=reward,
+                explanation=explanation,
+                judge_score=judge_score,
+                independent_reward=independent,
+            )
+            for index, reward, judge_score, independent, explanation in verdict.rows
+        ],
+        judge_model=verdict.judge_model,
+        usage=JudgeUsage(
+            attempts=max(1, verdict.attempts),
+            prompt_tokens=verdict.prompt_tokens,
+            completion_tokens=verdict.completion_tokens,
+            cost_usd=verdict.cost_usd,
+        ),
+    )

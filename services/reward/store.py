@@ -1,0 +1,100 @@
+"""What the reward service reads from and writes to PostgreSQL."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import asyncpg
+import msgspec
+
+from artery.schemas import RewardSpec, Trajectory
+
+_trajectory = msgspec.json.Decoder(Trajectory)
+_spec = msgspec.json.Decoder(RewardSpec | None)
+
+
+@dataclass(frozen=True)
+class GroupToScore:
+    group_id: str
+    spec: RewardSpec | None
+    trajectories: list[Trajectory]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A stored outcome: scores (with the usage that bought them), or the error that stopped them."""
+
+    judge_model: str
+    error: str | None
+    attempts: int
+    prompt_tokens: int
+    completion_tokens: int
+    cost_usd: float | None
+    #: (index, reward, judge score, independent reward, explanation), by index.
+    rows: list[tuple[int, float, float, float, str]]
+
+
+async def load_group(conn: asyncpg.Connection, group_id: str) -> GroupToScore | None:
+    spec = await conn.fetchval("SELECT reward_spec::text FROM trajectory_groups WHERE id = $1", group_id)
+    rows = await conn.fetch(
+        "SELECT body::text AS body FROM trajectories WHERE group_id = $1 ORDER BY idx", group_id
+    )
+    if not rows:
+        return None
+    return GroupToScore(
+        group_id=group_id,
+        spec=_spec.decode(spec) if spec else None,
+        trajectories=[_trajectory.decode(r["body"]) for r in rows],
+    )
+
+
+async def stored_verdict(conn: asyncpg.Connection, group_id: str) -> Verdict | None:
+    head = await conn.fetchrow("SELECT * FROM group_rewards WHERE group_id = $1", group_id)
+    if head is None:
+        return None
+    rows = await conn.fetch(
+        "SELECT idx, reward, judge_score, independent_reward, explanation FROM trajectory_rewards"
+        " WHERE group_id = $1 ORDER BY idx",
+        group_id,
+    )
+    return Verdict(
+        judge_model=head["judge_model"],
+        error=head["error"],
+        attempts=head["attempts"],
+        prompt_tokens=head["prompt_tokens"],
+        completion_tokens=head["completion_tokens"],
+        cost_usd=head["cost_usd"],
+        rows=[tuple(r) for r in rows],
+    )
+
+
+async def record_verdict(
+    conn: asyncpg.Connection, group_id: str, verdict: Verdict, rubric: str | None
+) -> Verdict:
+    """Store ``verdict`` unless one is already there (a redelivery, or another replica won the
+    race); return the one that is stored, so every replica announces the same rewards."""
+    async with conn.transaction():
+        inserted = await conn.fetchval(
+            "INSERT INTO group_rewards (group_id, judge_model, rubric, error, attempts, prompt_tokens,"
+            " completion_tokens, cost_usd) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)"
+            " ON CONFLICT (group_id) DO NOTHING RETURNING group_id",
+            group_id,
+            verdict.judge_model,
+            rubric,
+            verdict.error,
+            verdict.attempts,
+            verdict.prompt_tokens,
+            verdict.completion_tokens,
+            verdict.cost_usd,
+        )
+        if inserted is None:
+            stored = await stored_verdict(conn, group_id)
+            assert stored is not None  # the conflicting row is committed: we saw it conflict
+            return stored
+        if verdict.rows:
+            await conn.executemany(
+                "INSERT INTO trajectory_rewards (group_id, idx, reward, judge_score, independent_reward,"
+                " explanation) VALUES ($1, $2, $3, $4, $5, $6)",
+                [(group_id, *row) for row in verdict.rows],
+            )
+    return verdict

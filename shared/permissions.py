@@ -1,0 +1,314 @@
+"""NATS users with least-privilege permissions, one role per service, generated from ``subjects``.
+
+Every subject, stream, durable consumer and bucket below comes from :mod:`artery.shared.subjects`,
+so a renamed subject changes the permissions with it. ``render_authorization`` turns users into
+the ``authorization { users = [...] }`` block of a nats-server configuration.
+
+What JetStream needs, found against a real nats-server (``tests/test_security.py``):
+
+- a JetStream publish is a request: publish on the subject, the stream's ack comes back on the
+  client's inbox. Every user gets its own inbox prefix ``_INBOX.<user>`` (``auth`` sets it on
+  connect) and may subscribe to that only, so nobody reads another client's replies;
+- a durable pull consumer: ``$JS.API.CONSUMER.INFO|CREATE.<stream>.<durable>[.<filter>]``,
+  ``$JS.API.CONSUMER.MSG.NEXT.<stream>.<durable>`` and acks on ``$JS.ACK.<stream>.<durable>.>``;
+- an ordered consumer (checkpoint watcher, KV watch, object get): ``$JS.API.STREAM.NAMES``,
+  ``$JS.API.CONSUMER.CREATE.<stream>`` and flow-control replies on ``$JS.FC.<stream>.>``. The
+  consumer's name is in the body there, not the subject: the server refuses a ``durable_name``
+  but takes a ``name``, so whoever may create one on a stream may also change the settings of an
+  existing consumer of that stream. Only ``inference`` holds this on a stream with another
+  service's durable (``publisher`` on ARTERY_CHECKPOINTS); agents hold it on KV_artery_replicas
+  only, which has no durable consumer;
+- KV: ``$JS.API.STREAM.INFO.KV_<bucket>``, reads through ``$JS.API.STREAM.MSG.GET.KV_<bucket>``,
+  writes on ``$KV.<bucket>.<key>``;
+- object store: ``$JS.API.STREAM.INFO|MSG.GET.OBJ_<bucket>`` and an ordered consumer to read;
+  chunks on ``$O.<bucket>.C.>``, metadata on ``$O.<bucket>.M.>`` and
+  ``$JS.API.STREAM.PURGE.OBJ_<bucket>`` to write or delete.
+
+Only ``admin`` may create or change streams, buckets and consumers of others; a service checks
+that they exist (``provision_if_missing``) instead of creating them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from artery.schemas.base import NAME_PATTERN
+from artery.shared import subjects
+
+ROLES = ("admin", "agent", "collector", "reward", "trainer", "publisher", "inference")
+
+JS_API = "$JS.API"
+#: The trainer's durable consumer (named in ``services.trainer.service``; a test keeps them equal).
+TRAINER_CONSUMER = "trainer"
+#: Each service's durable consumer: (stream, durable, filter subject).
+DURABLES: dict[str, tuple[subjects.StreamSpec, str, str]] = {
+    "collector": (subjects.TRAJECTORIES, subjects.COLLECTOR_CONSUMER, subjects.TRAJECTORIES.subjects[0]),
+    "reward": (subjects.GROUPS, subjects.REWARD_CONSUMER, subjects.GROUPS_READY),
+    "trainer": (subjects.TRAINING, TRAINER_CONSUMER, subjects.train("requested", "*", "*")),
+    "publisher": (subjects.CHECKPOINTS, subjects.PUBLISHER_CONSUMER, subjects.CHECKPOINTS_SAVED),
+}
+
+_NAME = re.compile(NAME_PATTERN)
+
+
+@dataclass(frozen=True)
+class Permissions:
+    publish: tuple[str, ...]
+    subscribe: tuple[str, ...]
+    deny_publish: tuple[str, ...] = ()
+    #: May answer requests it received (on their reply subject only, once each).
+    allow_responses: bool = False
+
+
+@dataclass(frozen=True)
+class NatsUser:
+    name: str
+    role: str
+    password: str = field(repr=False)
+    #: Agents only: the project whose subjects the agent may use.
+    project: str | None = None
+
+    def __post_init__(self):
+        if self.role not in ROLES:
+            raise ValueError(f"unknown role {self.role!r}; one of {', '.join(ROLES)}")
+        if not _NAME.match(self.name):
+            raise ValueError(f"user name {self.name!r} must match {NAME_PATTERN} (it is an inbox token)")
+        if (self.role == "agent") != (self.project is not None):
+            raise ValueError("a project is given for agent users, and only for them")
+        if self.project is not None and not _NAME.match(self.project):
+            raise ValueError(f"project {self.project!r} must match {NAME_PATTERN}")
+        if not self.password or any(c in self.password for c in '"\\\n'):
+            raise ValueError(f"password of {self.name!r} is empty or has a quote, backslash or newline")
+
+
+def inbox_prefix(user: str) -> str:
+    """The inbox prefix a user's client must use (``auth.nats_connect_options`` sets it)."""
+    return f"_INBOX.{user}"
+
+
+def _kv_stream(bucket: str) -> str:
+    return f"KV_{bucket}"
+
+
+def _obj_stream(bucket: str) -> str:
+    return f"OBJ_{bucket}"
+
+
+def _provisioned() -> list[str]:
+    """Every stream ``bus.provision`` creates, buckets included."""
+    return [
+        *(s.name for s in subjects.STREAMS),
+        _kv_stream(subjects.MODELS_BUCKET),
+        _kv_stream(subjects.REPLICAS_BUCKET),
+        _obj_stream(subjects.ADAPTERS_BUCKET),
+    ]
+
+
+def _all_stream_info() -> list[str]:
+    """Read-only: what ``provision_if_missing`` checks."""
+    return [f"{JS_API}.STREAM.INFO.{name}" for name in _provisioned()]
+
+
+def _durable(role: str) -> list[str]:
+    stream, durable, _ = DURABLES[role]
+    s = stream.name
+    return [
+        f"{JS_API}.CONSUMER.INFO.{s}.{durable}",
+        f"{JS_API}.CONSUMER.CREATE.{s}.{durable}",
+        f"{JS_API}.CONSUMER.CREATE.{s}.{durable}.>",  # the filter subject is part of the name
+        f"{JS_API}.CONSUMER.DURABLE.CREATE.{s}.{durable}",
+        f"{JS_API}.CONSUMER.MSG.NEXT.{s}.{durable}",
+        f"$JS.ACK.{s}.{durable}.>",
+    ]
+
+
+def _ordered(stream: str) -> list[str]:
+    """An ordered (ephemeral push) consumer: what ``js.subscribe(ordered_consumer=True)`` sends."""
+    return [
+        f"{JS_API}.STREAM.NAMES",
+        f"{JS_API}.CONSUMER.CREATE.{stream}",
+        f"{JS_API}.CONSUMER.INFO.{stream}.*",
+        f"$JS.FC.{stream}.>",
+    ]
+
+
+def _kv_read(bucket: str, *, watch: bool = False) -> list[str]:
+    # Gets use STREAM.MSG.GET (the buckets are not ``allow_direct``): the key is in the request
+    # body, not the subject, so read access to a bucket is to all of its keys.
+    stream = _kv_stream(bucket)
+    return [f"{JS_API}.STREAM.MSG.GET.{stream}", *(_ordered(stream) if watch else [])]
+
+
+def _kv_write(bucket: str, keys: str = ">") -> list[str]:
+    return [f"$KV.{bucket}.{keys}"]
+
+
+def _object_read(bucket: str) -> list[str]:
+    stream = _obj_stream(bucket)
+    return [f"{JS_API}.STREAM.MSG.GET.{stream}", *_ordered(stream)]
+
+
+def _object_write(bucket: str) -> list[str]:
+    return [f"$O.{bucket}.C.>", f"$O.{bucket}.M.>", f"{JS_API}.STREAM.PURGE.{_obj_stream(bucket)}"]
+
+
+def _protect_durables(own: str | None) -> list[str]:
+    """Nobody but its service creates, changes or deletes a service's durable consumer."""
+    denied = []
+    for role, (stream, durable, _) in DURABLES.items():
+        if role == own:
+            continue
+        s = stream.name
+        denied += [
+            f"{JS_API}.CONSUMER.CREATE.{s}.{durable}",
+            f"{JS_API}.CONSUMER.CREATE.{s}.{durable}.>",
+            f"{JS_API}.CONSUMER.DURABLE.CREATE.{s}.{durable}",
+            f"{JS_API}.CONSUMER.DELETE.{s}.{durable}",
+        ]
+    return denied
+
+
+def _control_inference() -> str:
+    return f"{subjects.PREFIX}.control.inference.>"
+
+
+def permissions(role: str, user: str, *, project: str | None = None) -> Permissions:
+    """What ``user`` in ``role`` may publish and subscribe to (``project``: agents only)."""
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r}; one of {', '.join(ROLES)}")
+    inbox = f"{inbox_prefix(user)}.>"
+    models, replicas, adapters = subjects.MODELS_BUCKET, subjects.REPLICAS_BUCKET, subjects.ADAPTERS_BUCKET
+    # Nobody but the trainer pauses inference; nobody but the publisher writes adapters.
+    deny = [_control_inference()] if role != "trainer" else []
+    if role != "publisher":
+        deny.append(f"$O.{adapters}.>")
+    deny += _protect_durables(role if role in DURABLES else None)
+    if role == "admin":
+        # Provisioning and operations: the whole JetStream API, reading everything. No events,
+        # no pausing, no adapters: those belong to the services.
+        return Permissions(
+            publish=(f"{JS_API}.>", "$JS.ACK.>", "$JS.FC.>"),
+            subscribe=(">",),
+            deny_publish=tuple(d for d in deny if not d.startswith(f"{JS_API}.CONSUMER")),
+        )
+    if role == "agent":
+        if project is None:
+            raise ValueError("an agent user needs its project")
+        return Permissions(
+            publish=(
+                subjects.trajectories(project, ">"),
+                subjects.train("requested", project, ">"),
+                subjects.retention_request(project, "*"),  # the SDK's delete_checkpoints()
+                *_all_stream_info(),
+                *_kv_read(models),
+                *_kv_write(models, f"{project}.*"),  # register() writes its own models' records
+                *_kv_read(replicas, watch=True),  # finding a replica's URL
+            ),
+            subscribe=(subjects.train("*", project, ">"), inbox),
+            deny_publish=tuple(deny),
+        )
+    if project is not None:
+        raise ValueError("only agent users have a project")
+    publish = [*_all_stream_info(), *(_durable(role) if role in DURABLES else [])]
+    subscribe: list[str] = [inbox]
+    responses = False
+    if role == "collector":
+        publish += [subjects.group_ready("*", "*")]
+    elif role == "reward":
+        publish += [subjects.group_scored("*", "*")]
+    elif role == "trainer":
+        publish += [
+            subjects.train("completed", "*", "*"),
+            subjects.train("failed", "*", "*"),
+            subjects.checkpoint("saved", "*", "*"),
+            subjects.control("pause", "*", "*"),
+            subjects.control("resume", "*", "*"),
+            *_kv_read(models),
+            *_kv_write(models),  # advances each model's step
+            *_kv_read(replicas, watch=True),  # whom to wait for when pausing
+        ]
+    elif role == "publisher":
+        publish += [
+            subjects.checkpoint("published", "*", "*"),
+            subjects.checkpoint("deleted", "*", "*"),
+            *_object_read(adapters),
+            *_object_write(adapters),
+        ]
+        subscribe += [subjects.retention_request("*", "*")]
+        responses = True
+    elif role == "inference":
+        publish += [
+            *_ordered(subjects.CHECKPOINTS.name),  # follows checkpoint.published / deleted
+            *_object_read(adapters),
+            *_kv_write(replicas),  # its heartbeat
+        ]
+        subscribe += [subjects.control("pause", "*", "*"), subjects.control("resume", "*", "*")]
+        responses = True  # pause and resume acks, on the trainer's inbox only
+    publish.append(subjects.dead_letter(role))
+    return Permissions(
+        publish=tuple(dict.fromkeys(publish)),
+        subscribe=tuple(subscribe),
+        deny_publish=tuple(dict.fromkeys(deny)),
+        allow_responses=responses,
+    )
+
+
+def default_users(projects: Iterable[str], password=lambda: secrets.token_urlsafe(24)) -> list[NatsUser]:
+    """One user per service role (named after it), and ``agent-<project>`` for each project."""
+    users = [NatsUser(role, role, password()) for role in ROLES if role != "agent"]
+    users += [NatsUser(f"agent-{p}", "agent", password(), project=p) for p in dict.fromkeys(projects)]
+    return users
+
+
+def _q(value: str) -> str:
+    # Quoted: an unquoted ``$JS...`` would be read as a variable reference.
+    return json.dumps(value)
+
+
+def _list(values: Sequence[str]) -> str:
+    return "[" + ", ".join(_q(v) for v in values) + "]"
+
+
+def render_authorization(users: Sequence[NatsUser]) -> str:
+    """The ``authorization`` block of a nats-server configuration for ``users``."""
+    names = [u.name for u in users]
+    if len(set(names)) != len(names):
+        raise ValueError("user names must be unique")
+    lines = ["authorization {", "  users = ["]
+    for user in users:
+        p = permissions(user.role, user.name, project=user.project)
+        lines += [
+            f"    # role {user.role}" + (f", project {user.project}" if user.project else ""),
+            f"    {{ user: {_q(user.name)}, password: {_q(user.password)}, permissions: {{",
+            f"        publish: {{ allow: {_list(p.publish)}"
+            + (f", deny: {_list(p.deny_publish)}" if p.deny_publish else "")
+            + " }",
+            f"        subscribe: {{ allow: {_list(p.subscribe)} }}",
+            *(["        allow_responses: true"] if p.allow_responses else []),
+            "    } }",
+        ]
+    lines += ["  ]", "}"]
+    return "\n".join(lines) + "\n"
+
+
+async def provision_if_missing(js, settings) -> bool:
+    """Provision only when a stream or bucket is missing; True when it provisioned.
+
+    Services and agents call this instead of ``bus.provision``: checking needs only
+    ``$JS.API.STREAM.INFO``, which every role has, while creating needs the admin role.
+    """
+    from nats.js.errors import NotFoundError
+
+    from artery.shared import bus  # here: bus imports auth, which imports this module
+
+    for name in _provisioned():
+        try:
+            await js.stream_info(name)
+        except NotFoundError:
+            await bus.provision(js, settings)
+            return True
+    return False

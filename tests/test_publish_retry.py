@@ -1,0 +1,58 @@
+"""Publishing until acked: an unacked publish is sent again unchanged and stored once."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from nats.errors import NoRespondersError
+from nats.js.errors import NoStreamResponseError
+
+import artery as art
+from artery.shared import bus, subjects
+from artery.shared.bus import prepare, publish_until_acked
+from tests.factories import group
+
+
+async def test_messages_without_an_ack_are_sent_again_and_stored_once(nats_server, common_settings):
+    """No stream listens at first (every publish fails unacked); the stream appears while the
+    publisher retries; every message ends up stored exactly once."""
+    nc = await bus.connect(common_settings, name="retry-test")
+    js = nc.jetstream()
+    try:
+        groups = [group(seed=i) for i in range(20)]
+        messages = [prepare(subjects.trajectories("demo", "agent"), g) for g in groups]
+
+        async def provision_later():
+            await asyncio.sleep(0.6)
+            await bus.provision(js, common_settings)
+
+        provisioning = asyncio.create_task(provision_later())
+        acks = await publish_until_acked(js, messages, attempts=8, delay_s=0.2)
+        await provisioning
+        assert len(acks) == 20 and [a.seq for a in acks] == sorted(a.seq for a in acks)
+        # Publishing the same messages again (a caller's retry) stores nothing new.
+        again = await publish_until_acked(js, messages)
+        assert all(a.duplicate for a in again)
+        info = await js.stream_info(subjects.TRAJECTORIES.name)
+        assert info.state.messages == 20
+    finally:
+        await nc.close()
+
+
+async def test_gives_up_with_the_last_error(nats_server, common_settings):
+    nc = await bus.connect(common_settings, name="retry-test")
+    try:
+        message = prepare(subjects.trajectories("demo", "agent"), group())
+        with pytest.raises((NoRespondersError, NoStreamResponseError)):  # publish_async reports either
+            await publish_until_acked(nc.jetstream(), [message], attempts=2, delay_s=0.05)
+    finally:
+        await nc.close()
+
+
+def test_a_group_keeps_its_event_id_across_calls():
+    g = art.TrajectoryGroup([art.Trajectory(messages_and_choices=[{"role": "user", "content": "hi"}])])
+    first = g.to_event(project="demo", model="agent")
+    assert g.to_event(project="demo", model="agent").id == first.id
+    other = art.TrajectoryGroup([art.Trajectory(messages_and_choices=[{"role": "user", "content": "hi"}])])
+    assert other.to_event(project="demo", model="agent").id != first.id
