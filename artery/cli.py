@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -249,16 +250,54 @@ def cmd_nats_config(args: argparse.Namespace) -> int:
     """Print nats-server users with each role's permissions, generated from ``shared.subjects``."""
     from artery.shared.permissions import default_users, render_authorization
 
-    users = default_users(args.project or [])
-    if args.secrets_dir:
-        directory = Path(args.secrets_dir)
-        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    secrets_dir = Path(args.secrets_dir) if args.secrets_dir else None
+    kept = _existing_passwords(secrets_dir) if secrets_dir else {}
+    users = [
+        dataclasses.replace(user, password=kept[user.name]) if user.name in kept else user
+        for user in default_users(args.project or [])
+    ]
+    if secrets_dir:
+        secrets_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         for user in users:  # one file per user, for ARTERY_NATS_PASSWORD_FILE (docker secrets)
-            fd = os.open(directory / user.name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(user.password + "\n")
-    print(render_authorization(users), end="")
+            path = _password_file(secrets_dir, user.name)
+            _write_private(path, user.password + "\n")
+            if args.owner:  # written by root for services that run as another user (compose)
+                uid, _, gid = args.owner.partition(":")
+                os.chown(path, int(uid), int(gid or uid))
+    authorization = render_authorization(users)
+    if args.output:
+        _write_private(Path(args.output), authorization)  # it holds every password
+    else:
+        print(authorization, end="")
     return 0
+
+
+def _password_file(secrets_dir: Path, user: str) -> Path:
+    """``DIR/<user>``, or ``DIR/<user>/password`` where ``DIR/<user>`` is a directory: compose
+    mounts one volume per service there, so that each container sees its own password only."""
+    path = secrets_dir / user
+    return path / "password" if path.is_dir() else path
+
+
+def _existing_passwords(secrets_dir: Path) -> dict[str, str]:
+    """Passwords already written under ``secrets_dir``: running nats-config again (a restarted
+    compose deployment) keeps them, or every running service would lose its connection."""
+    found = {}
+    if secrets_dir.is_dir():
+        for entry in secrets_dir.iterdir():
+            path = _password_file(secrets_dir, entry.name)
+            if path.is_file() and (password := path.read_text().strip()):
+                found[entry.name] = password
+    return found
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write ``text`` readable by its owner only, replacing the file in one step."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -293,7 +332,15 @@ def main(argv: list[str] | None = None) -> int:
         "nats-config", help="print nats-server users: one per service, agent-<project> per project"
     )
     nats_config.add_argument("--project", action="append", help="add the user agent-PROJECT (repeatable)")
-    nats_config.add_argument("--secrets-dir", help="also write each password to DIR/<user> (mode 0600)")
+    nats_config.add_argument(
+        "--secrets-dir",
+        help="also write each password to DIR/<user>, or DIR/<user>/password where that is a "
+        "directory (mode 0600); passwords already there are kept",
+    )
+    nats_config.add_argument("--owner", metavar="UID[:GID]", help="give the password files to this owner")
+    nats_config.add_argument(
+        "--output", help="write the configuration to this file (mode 0600) instead of stdout"
+    )
     nats_config.set_defaults(func=cmd_nats_config)
     args = parser.parse_args(argv)
     return args.func(args)

