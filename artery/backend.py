@@ -300,7 +300,7 @@ class Backend:
             if loop.time() > deadline:
                 lagging = [r.replica_id for r in replicas if name not in r.served]
                 raise TimeoutError(f"{name} not served within {timeout_s}s by {lagging}")
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.1)
 
     async def delete_checkpoints(
         self, model: Model, *, best_checkpoint_metric: str | None = "reward_mean", keep_latest: int = 1

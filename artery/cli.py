@@ -188,13 +188,13 @@ async def _replicas(js) -> list:
 
     from artery.schemas import ReplicaInfo
     from artery.shared import subjects
+    from artery.shared.kv import latest_values
 
     try:
-        kv = await js.key_value(subjects.REPLICAS_BUCKET)
-        keys = await kv.keys()
-    except Exception:  # no bucket or no keys yet
+        entries = await latest_values(js, subjects.REPLICAS_BUCKET, ">")
+    except Exception:  # no bucket yet
         return []
-    return [msgspec.json.decode((await kv.get(k)).value, type=ReplicaInfo) for k in keys]
+    return [msgspec.json.decode(value, type=ReplicaInfo) for value in entries.values()]
 
 
 def cmd_status(args: argparse.Namespace) -> int:

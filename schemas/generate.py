@@ -262,7 +262,7 @@ def buckets() -> dict:
         subjects.MODELS_BUCKET: {"kind": "key-value", "key": "<project>.<model>"},
         subjects.REPLICAS_BUCKET: {
             "kind": "key-value",
-            "key": "<replica id>",
+            "key": "<project>.<model>.<replica id>",
             "ttl_seconds": bus.REPLICA_TTL_S,
         },
         subjects.ADAPTERS_BUCKET: {"kind": "object-store", "key": "CheckpointPublished.object_name"},

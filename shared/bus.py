@@ -103,7 +103,10 @@ async def provision(js: JetStreamContext, settings: CommonSettings) -> None:
             await js.update_stream(config)
     await _ensure_kv(
         js,
-        KeyValueConfig(bucket=subjects.MODELS_BUCKET, history=5, replicas=settings.stream_replicas),
+        # Direct gets name the key in the subject: reads can be granted per project.
+        KeyValueConfig(
+            bucket=subjects.MODELS_BUCKET, history=5, replicas=settings.stream_replicas, direct=True
+        ),
     )
     await _ensure_kv(
         js,
@@ -128,6 +131,12 @@ async def _ensure_kv(js: JetStreamContext, config: KeyValueConfig) -> None:
         await js.key_value(config.bucket)
     except Exception:
         await js.create_key_value(config)
+        return
+    if config.direct:  # a bucket made before reads went through direct gets
+        stream = (await js.stream_info(f"KV_{config.bucket}")).config
+        if not stream.allow_direct:
+            stream.allow_direct = True
+            await js.update_stream(stream)
 
 
 def event_headers(event: Event, content_type: str = JSON, msg_id: str | None = None) -> dict[str, str]:

@@ -26,6 +26,7 @@ from artery.shared import subjects
 from artery.shared.bus import CONTENT_TYPE, event_headers
 from artery.shared.codec import EventDecoder, encode
 from artery.shared.errors import ArteryError, InvalidMessage
+from artery.shared.kv import latest_values
 from artery.shared.logs import get_logger
 
 log = get_logger(__name__)
@@ -84,24 +85,17 @@ class PauseFailed(ArteryError):
 
 
 async def live_replicas(js: JetStreamContext, project: str, model: str) -> list[ReplicaInfo]:
-    """Replicas of ``project``/``model`` with an unexpired heartbeat, read in one watch."""
-    kv = await js.key_value(subjects.REPLICAS_BUCKET)
-    watcher = await kv.watchall(ignore_deletes=True)
+    """Replicas of ``project``/``model`` with an unexpired heartbeat (expired keys are gone)."""
+    entries = await latest_values(js, subjects.REPLICAS_BUCKET, subjects.replica_keys(project, model))
     found: list[ReplicaInfo] = []
-    try:
-        while True:
-            entry = await watcher.updates(timeout=5.0)
-            if entry is None:  # the watcher's marker: every current value has been delivered
-                break
-            try:
-                info = _replica_decoder.decode(entry.value)
-            except InvalidMessage as exc:
-                log.warning("unreadable replica entry", key=entry.key, error=str(exc))
-                continue
-            if (info.project, info.model) == (project, model):
-                found.append(info)
-    finally:
-        await watcher.stop()
+    for key, value in entries.items():
+        try:
+            info = _replica_decoder.decode(value)
+        except InvalidMessage as exc:
+            log.warning("unreadable replica entry", key=key, error=str(exc))
+            continue
+        if (info.project, info.model) == (project, model):  # the key says so; the value must too
+            found.append(info)
     return found
 
 

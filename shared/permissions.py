@@ -11,15 +11,16 @@ What JetStream needs, found against a real nats-server (``tests/test_security.py
   connect) and may subscribe to that only, so nobody reads another client's replies;
 - a durable pull consumer: ``$JS.API.CONSUMER.INFO|CREATE.<stream>.<durable>[.<filter>]``,
   ``$JS.API.CONSUMER.MSG.NEXT.<stream>.<durable>`` and acks on ``$JS.ACK.<stream>.<durable>.>``;
-- an ordered consumer (checkpoint watcher, KV watch, object get): ``$JS.API.STREAM.NAMES``,
+- an ordered consumer (checkpoint watcher, object get): ``$JS.API.STREAM.NAMES``,
   ``$JS.API.CONSUMER.CREATE.<stream>`` and flow-control replies on ``$JS.FC.<stream>.>``. The
   consumer's name is in the body there, not the subject: the server refuses a ``durable_name``
   but takes a ``name``, so whoever may create one on a stream may also change the settings of an
   existing consumer of that stream. Only ``inference`` holds this on a stream with another
-  service's durable (``publisher`` on ARTERY_CHECKPOINTS); agents hold it on KV_artery_replicas
-  only, which has no durable consumer;
-- KV: ``$JS.API.STREAM.INFO.KV_<bucket>``, reads through ``$JS.API.STREAM.MSG.GET.KV_<bucket>``,
-  writes on ``$KV.<bucket>.<key>``;
+  service's durable (``publisher`` on ARTERY_CHECKPOINTS);
+- KV: ``$JS.API.STREAM.INFO.KV_<bucket>``; gets through ``$JS.API.DIRECT.GET.KV_<bucket>.<key
+  subject>`` (the models bucket allows direct gets), so an agent reads its own project's records
+  only; listing keys (replicas) through a consumer whose filter is in the create subject
+  (``shared.kv``), scoped the same way; writes on ``$KV.<bucket>.<key>``;
 - object store: ``$JS.API.STREAM.INFO|MSG.GET.OBJ_<bucket>`` and an ordered consumer to read;
   chunks on ``$O.<bucket>.C.>``, metadata on ``$O.<bucket>.M.>`` and
   ``$JS.API.STREAM.PURGE.OBJ_<bucket>`` to write or delete.
@@ -136,11 +137,21 @@ def _ordered(stream: str) -> list[str]:
     ]
 
 
-def _kv_read(bucket: str, *, watch: bool = False) -> list[str]:
-    # Gets use STREAM.MSG.GET (the buckets are not ``allow_direct``): the key is in the request
-    # body, not the subject, so read access to a bucket is to all of its keys.
+def _kv_read(bucket: str, keys: str = ">") -> list[str]:
+    """Gets of ``keys``: the models bucket is ``allow_direct``, and a direct get names the key
+    in its subject (a STREAM.MSG.GET names it in the body, where permissions cannot see it)."""
+    return [f"{JS_API}.DIRECT.GET.{_kv_stream(bucket)}.$KV.{bucket}.{keys}"]
+
+
+def _kv_scan(bucket: str, keys: str = ">") -> list[str]:
+    """Reading every key that matches ``keys`` (``shared.kv.latest_values``): a consumer named and
+    filtered in its subject, delivered to the user's inbox, deleted after. The delete cannot be
+    scoped by name; the streams of these buckets hold no consumer but such short reads."""
     stream = _kv_stream(bucket)
-    return [f"{JS_API}.STREAM.MSG.GET.{stream}", *(_ordered(stream) if watch else [])]
+    return [
+        f"{JS_API}.CONSUMER.CREATE.{stream}.*.$KV.{bucket}.{keys}",
+        f"{JS_API}.CONSUMER.DELETE.{stream}.*",
+    ]
 
 
 def _kv_write(bucket: str, keys: str = ">") -> list[str]:
@@ -204,9 +215,9 @@ def permissions(role: str, user: str, *, project: str | None = None) -> Permissi
                 subjects.train("requested", project, ">"),
                 subjects.retention_request(project, "*"),  # the SDK's delete_checkpoints()
                 *_all_stream_info(),
-                *_kv_read(models),
+                *_kv_read(models, f"{project}.*"),  # its own models' records only
                 *_kv_write(models, f"{project}.*"),  # register() writes its own models' records
-                *_kv_read(replicas, watch=True),  # finding a replica's URL
+                *_kv_scan(replicas, f"{project}.>"),  # finding a replica's URL, in its project
             ),
             subscribe=(subjects.train("*", project, ">"), inbox),
             deny_publish=tuple(deny),
@@ -229,7 +240,7 @@ def permissions(role: str, user: str, *, project: str | None = None) -> Permissi
             subjects.control("resume", "*", "*"),
             *_kv_read(models),
             *_kv_write(models),  # advances each model's step
-            *_kv_read(replicas, watch=True),  # whom to wait for when pausing
+            *_kv_scan(replicas),  # whom to wait for when pausing
         ]
     elif role == "publisher":
         publish += [

@@ -35,7 +35,7 @@ REWARD_CONSUMER = "reward"
 
 # Key-value buckets and the object store.
 MODELS_BUCKET = "artery_models"  # key <project>.<model>: registration and current step
-REPLICAS_BUCKET = "artery_replicas"  # key <replica id>: heartbeat (entries expire)
+REPLICAS_BUCKET = "artery_replicas"  # key <project>.<model>.<replica id>: heartbeat (entries expire)
 ADAPTERS_BUCKET = "artery_adapters"  # object store: LoRA adapters
 
 
@@ -85,6 +85,16 @@ def dead_letter(service: str) -> str:
 
 def model_key(project: str, model: str) -> str:
     return f"{project}.{model}"
+
+
+def replica_key(project: str, model: str, replica_id: str) -> str:
+    """A replica's heartbeat key: under its project, so that reading can be granted per project."""
+    return f"{project}.{model}.{replica_id}"
+
+
+def replica_keys(project: str, model: str) -> str:
+    """The key filter of every replica of ``project``/``model``."""
+    return f"{project}.{model}.>"
 
 
 def parse_trajectories(subject: str) -> tuple[str, str] | None:

@@ -215,6 +215,55 @@ async def test_agent_publishes_for_its_project_and_nothing_else(secured):
     )
 
 
+async def test_agent_reads_its_own_projects_models_and_replicas_only(secured):
+    """Model records and replica heartbeats of another project (its base model, its replicas'
+    URLs) are not an agent's to read: direct gets and key listings are scoped by subject."""
+    inference = await secured.connect("inference")
+    gate = PauseGate(max_wait_s=5)
+    registries = [
+        ReplicaRegistry(
+            inference.js, gate, replica_id=f"r-{p}", project=p, model=MODEL, engine="fake", url=f"http://{p}"
+        )
+        for p in (PROJECT, OTHER)
+    ]
+    for registry in registries:
+        await registry.start()
+    try:
+        for project in (PROJECT, OTHER):
+            agent = await secured.connect(f"agent-{project}")
+            models = await agent.js.key_value(subjects.MODELS_BUCKET)
+            await models.put(subjects.model_key(project, MODEL), project.encode())
+            assert (await models.get(subjects.model_key(project, MODEL))).value == project.encode()
+            assert [r.url for r in await live_replicas(agent.js, project, MODEL)] == [f"http://{project}"]
+            agent.clean()
+
+        agent = await secured.connect(f"agent-{PROJECT}")
+        models = await agent.js.key_value(subjects.MODELS_BUCKET)
+        await asyncio.gather(
+            agent.denied(
+                f"$JS.API.DIRECT.GET.KV_{subjects.MODELS_BUCKET}.$KV.{subjects.MODELS_BUCKET}.{OTHER}.",
+                models.get(subjects.model_key(OTHER, MODEL)),
+            ),
+            agent.denied(
+                f"$JS.API.CONSUMER.CREATE.KV_{subjects.REPLICAS_BUCKET}.",
+                live_replicas(agent.js, OTHER, MODEL),
+            ),
+            # nats.py's own watch sends the filter in the body: refused whatever it asks for.
+            agent.denied(
+                f"$JS.API.CONSUMER.CREATE.KV_{subjects.REPLICAS_BUCKET}",
+                (await agent.js.key_value(subjects.REPLICAS_BUCKET)).watchall(),
+            ),
+        )
+        # The trainer reads every project's replicas: it pauses them all.
+        trainer = await secured.connect("trainer")
+        for project in (PROJECT, OTHER):
+            assert [r.replica_id for r in await live_replicas(trainer.js, project, MODEL)] == [f"r-{project}"]
+        trainer.clean()
+    finally:
+        for registry in registries:
+            await registry.stop()
+
+
 async def test_only_the_trainer_pauses_inference(secured):
     inference = await secured.connect("inference")
     gate = PauseGate(max_wait_s=5)

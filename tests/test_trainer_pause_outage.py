@@ -29,7 +29,9 @@ async def test_a_dead_registered_replica_delays_training_without_dead_lettering(
     ghost = ReplicaInfo(
         replica_id="ghost", project=PROJECT, model=MODEL, engine="transformers", url="http://x"
     )
-    await replicas.put("ghost", msgspec.json.encode(ghost))  # registered, but nobody answers
+    await replicas.put(
+        subjects.replica_key(PROJECT, MODEL, "ghost"), msgspec.json.encode(ghost)
+    )  # registered, but nobody answers
     groups = [text_group(seed) for seed in range(2)]
     await write_groups(db, [StoredGroup.of(g, None) for g in groups])
 

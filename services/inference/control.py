@@ -247,6 +247,7 @@ class ReplicaRegistry:
         self.url = url
         self.served = served
         self.heartbeat_s = heartbeat_s
+        self._key = subjects.replica_key(project, model, self.replica_id)
         self._kv = None
         self._task: asyncio.Task | None = None
 
@@ -266,7 +267,7 @@ class ReplicaRegistry:
     async def beat(self) -> None:
         if self._kv is None:
             self._kv = await self.js.key_value(subjects.REPLICAS_BUCKET)
-        await self._kv.put(self.replica_id, encode(self.info()))
+        await self._kv.put(self._key, encode(self.info()))
 
     async def start(self) -> None:
         """Register now (so a trainer sees us before the first interval), then keep beating."""
@@ -289,6 +290,6 @@ class ReplicaRegistry:
             self._task = None
         try:
             if self._kv is not None:
-                await self._kv.delete(self.replica_id)
+                await self._kv.delete(self._key)
         except Exception as exc:  # the TTL removes it anyway
             log.warning("replica deregistration failed", error=repr(exc))

@@ -1,0 +1,71 @@
+"""Reading the keys of a KV bucket that match a filter, in a way NATS permissions can scope.
+
+nats.py's ``kv.watch`` creates an unnamed ordered consumer: ``$JS.API.CONSUMER.CREATE.<stream>``
+with the filter in the request body, which permissions cannot see. Whoever may send that may
+read every key of the bucket (and change any consumer of the stream). Here the consumer is named
+and its filter is part of the subject, ``$JS.API.CONSUMER.CREATE.<stream>.<name>.<filter>``; the
+server refuses a body whose filter differs, so a permission on
+``...CREATE.KV_<bucket>.*.$KV.<bucket>.<project>.>`` lets a user read its own project's keys
+only (``shared.permissions``, proven in ``tests/test_security.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+_KV_OPERATION = "KV-Operation"
+_REMOVED = {"DEL", "PURGE"}
+#: An abandoned read (its client died) is removed by the server after this long.
+_INACTIVE_S = 30.0
+
+
+def stream_of(bucket: str) -> str:
+    return f"KV_{bucket}"
+
+
+async def latest_values(
+    js: JetStreamContext, bucket: str, keys: str, *, timeout_s: float = 5.0
+) -> dict[str, bytes]:
+    """The current value of every key of ``bucket`` matching ``keys`` (NATS wildcards allowed);
+    deleted and expired keys are left out."""
+    nc = js._nc  # the client the context was made from: the inbox must be on its connection
+    prefix = f"$KV.{bucket}."
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)  # before the consumer exists: nothing is delivered unseen
+    name = f"read_{secrets.token_hex(8)}"
+    created = False
+    try:
+        info = await js.add_consumer(
+            stream_of(bucket),
+            ConsumerConfig(
+                name=name,
+                filter_subject=prefix + keys,
+                deliver_subject=inbox,
+                deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
+                ack_policy=AckPolicy.NONE,
+                inactive_threshold=_INACTIVE_S,
+                mem_storage=True,
+                num_replicas=1,
+            ),
+        )
+        created = True
+        found: dict[str, bytes] = {}
+        # num_pending at creation: one message per matching key, the last of each.
+        async with asyncio.timeout(timeout_s):
+            for _ in range(info.num_pending):
+                msg = await sub.next_msg(timeout=timeout_s)
+                if (msg.headers or {}).get(_KV_OPERATION) in _REMOVED:
+                    continue
+                found[msg.subject.removeprefix(prefix)] = msg.data
+        return found
+    finally:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
+        if created:
+            with contextlib.suppress(Exception):
+                await js.delete_consumer(stream_of(bucket), name)
