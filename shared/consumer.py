@@ -17,6 +17,7 @@ import re
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeoutError
@@ -30,6 +31,9 @@ from artery.shared import subjects
 from artery.shared.bus import CONTENT_TYPE, MSG_ID, publish_event
 from artery.shared.errors import DependencyUnavailable, Disposition, InvalidMessage, disposition
 from artery.shared.logs import get_logger
+
+if TYPE_CHECKING:
+    from artery.shared.db import ServicePool
 
 log = get_logger(__name__)
 
@@ -245,3 +249,34 @@ def _names_from_subject(subject: str) -> tuple[str, str]:
         return UNKNOWN, UNKNOWN
     project, model = tokens[-2], tokens[-1]
     return (project if _NAME.match(project) else UNKNOWN, model if _NAME.match(model) else UNKNOWN)
+
+
+class ConsumingService:
+    """A service whose work arrives through durable consumers and whose rows go through a
+    ``ServicePool``: the start / run / stop / close that ``shared.runtime`` drives.
+
+    Subclasses set ``self.consumers`` (one or more fetch loops) and ``self.db``, and extend
+    ``start`` for what must be ready before the first message.
+    """
+
+    consumers: list[DurableConsumer]
+    db: ServicePool
+
+    @property
+    def consumer(self) -> DurableConsumer:
+        """The first (usually only) consumer: its options and stats."""
+        return self.consumers[0]
+
+    async def start(self) -> None:
+        for consumer in self.consumers:
+            await consumer.start()
+
+    async def run(self) -> None:
+        await asyncio.gather(*(consumer.run() for consumer in self.consumers))
+
+    def stop(self) -> None:
+        for consumer in self.consumers:
+            consumer.stop()
+
+    async def close(self) -> None:
+        await self.db.close()

@@ -7,7 +7,6 @@ crash anywhere in between redelivers the message, and every step is a no-op the 
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from collections.abc import Sequence
 
@@ -22,7 +21,7 @@ from artery.services.collector.store import StoredGroup, write_groups
 from artery.services.collector.validate import decode_group
 from artery.shared import subjects
 from artery.shared.bus import CONTENT_TYPE, prepare, publish_prepared
-from artery.shared.consumer import ConsumerOptions, DurableConsumer
+from artery.shared.consumer import ConsumerOptions, ConsumingService, DurableConsumer
 from artery.shared.db import ServicePool
 from artery.shared.errors import DependencyUnavailable, InvalidMessage
 from artery.shared.logs import get_logger
@@ -37,7 +36,7 @@ def ready_event_id(group_id: str) -> str:
     return str(uuid.uuid5(_READY_NAMESPACE, group_id))
 
 
-class Collector:
+class Collector(ConsumingService):
     def __init__(self, js: JetStreamContext, dsn: str, settings: CollectorSettings):
         self.js = js
         self.dsn = dsn
@@ -58,21 +57,6 @@ class Collector:
             )
             for _ in range(settings.concurrency)
         ]
-        self.consumer = self.consumers[0]
-
-    async def start(self) -> None:
-        for consumer in self.consumers:
-            await consumer.start()
-
-    async def run(self) -> None:
-        await asyncio.gather(*(consumer.run() for consumer in self.consumers))
-
-    def stop(self) -> None:
-        for consumer in self.consumers:
-            consumer.stop()
-
-    async def close(self) -> None:
-        await self.db.close()
 
     async def handle_batch(self, msgs: Sequence[Msg]) -> list[BaseException | None]:
         outcomes: list[BaseException | None] = [None] * len(msgs)

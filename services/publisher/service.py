@@ -39,7 +39,7 @@ from artery.shared import subjects
 from artery.shared.adapters import put_adapter
 from artery.shared.bus import CONTENT_TYPE, publish_event
 from artery.shared.codec import EventDecoder
-from artery.shared.consumer import ConsumerOptions, DurableConsumer
+from artery.shared.consumer import ConsumerOptions, ConsumingService, DurableConsumer
 from artery.shared.db import ServicePool
 from artery.shared.errors import DependencyUnavailable, InvalidMessage
 from artery.shared.logs import get_logger
@@ -73,7 +73,7 @@ def nats_digest(sha256: str) -> str:
     return "SHA-256=" + base64.urlsafe_b64encode(bytes.fromhex(sha256)).decode()
 
 
-class Publisher:
+class Publisher(ConsumingService):
     def __init__(self, nc: NATS, dsn: str, settings: PublisherSettings):
         self.nc = nc
         self.js = nc.jetstream()
@@ -81,27 +81,17 @@ class Publisher:
         self.policy = settings.retention_policy()
         self.db = ServicePool(dsn, max_size=settings.db_pool_size)
         self._tracer = tracer(SERVICE)
-        self.consumer = DurableConsumer(
-            self.js,
-            service=SERVICE,
-            stream=subjects.CHECKPOINTS,
-            durable=subjects.PUBLISHER_CONSUMER,
-            filter_subject=subjects.CHECKPOINTS_SAVED,
-            handler=self.handle_batch,
-            options=ConsumerOptions.from_settings(settings),
-        )
-
-    async def start(self) -> None:
-        await self.consumer.start()
-
-    async def run(self) -> None:
-        await self.consumer.run()
-
-    def stop(self) -> None:
-        self.consumer.stop()
-
-    async def close(self) -> None:
-        await self.db.close()
+        self.consumers = [
+            DurableConsumer(
+                self.js,
+                service=SERVICE,
+                stream=subjects.CHECKPOINTS,
+                durable=subjects.PUBLISHER_CONSUMER,
+                filter_subject=subjects.CHECKPOINTS_SAVED,
+                handler=self.handle_batch,
+                options=ConsumerOptions.from_settings(settings),
+            )
+        ]
 
     async def handle_batch(self, msgs: Sequence[Msg]) -> list[BaseException | None]:
         """One at a time, in stream order; after an outage the rest of the batch waits too."""

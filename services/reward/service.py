@@ -36,7 +36,7 @@ from artery.services.reward.store import GroupToScore, Verdict, load_group, reco
 from artery.shared import subjects
 from artery.shared.bus import CONTENT_TYPE, publish_event
 from artery.shared.codec import EventDecoder
-from artery.shared.consumer import ConsumerOptions, DurableConsumer
+from artery.shared.consumer import ConsumerOptions, ConsumingService, DurableConsumer
 from artery.shared.db import ServicePool
 from artery.shared.errors import DependencyUnavailable, InvalidMessage
 from artery.shared.logs import get_logger
@@ -72,7 +72,7 @@ def _judge_failures() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseE
     return bad_request, (openai.APIError, OSError, TimeoutError)
 
 
-class RewardService:
+class RewardService(ConsumingService):
     def __init__(self, nc: NATS, dsn: str, settings: RewardSettings):
         self.nc = nc
         self.js = nc.jetstream()
@@ -85,15 +85,17 @@ class RewardService:
         #: Per group being scored: its lock and how many deliveries hold or wait for it (``score``).
         self._group_locks: dict[str, list] = {}
         self.judge_available = importlib.util.find_spec("litellm") is not None
-        self.consumer = DurableConsumer(
-            self.js,
-            service=SERVICE,
-            stream=subjects.GROUPS,
-            durable=subjects.REWARD_CONSUMER,
-            filter_subject=subjects.GROUPS_READY,
-            handler=self.handle_batch,
-            options=ConsumerOptions.from_settings(settings),
-        )
+        self.consumers = [
+            DurableConsumer(
+                self.js,
+                service=SERVICE,
+                stream=subjects.GROUPS,
+                durable=subjects.REWARD_CONSUMER,
+                filter_subject=subjects.GROUPS_READY,
+                handler=self.handle_batch,
+                options=ConsumerOptions.from_settings(settings),
+            )
+        ]
 
     async def start(self) -> None:
         if self.judge_available:
@@ -101,16 +103,7 @@ class RewardService:
             await asyncio.to_thread(importlib.import_module, "litellm")
         else:
             log.warning("litellm is not installed: groups asking for RULER will be dead-lettered")
-        await self.consumer.start()
-
-    async def run(self) -> None:
-        await self.consumer.run()
-
-    def stop(self) -> None:
-        self.consumer.stop()
-
-    async def close(self) -> None:
-        await self.db.close()
+        await super().start()
 
     async def handle_batch(self, msgs: Sequence[Msg]) -> list[BaseException | None]:
         return list(await asyncio.gather(*(self._outcome(msg) for msg in msgs)))

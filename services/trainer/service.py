@@ -41,7 +41,7 @@ from artery.services.trainer.store import completed_step, load_groups, record_st
 from artery.shared import subjects
 from artery.shared.bus import CONTENT_TYPE, publish_event
 from artery.shared.codec import EventDecoder
-from artery.shared.consumer import ConsumerOptions, DurableConsumer
+from artery.shared.consumer import ConsumerOptions, ConsumingService, DurableConsumer
 from artery.shared.control_client import PauseFailed, paused
 from artery.shared.db import ServicePool
 from artery.shared.errors import DependencyUnavailable, InvalidMessage
@@ -90,7 +90,7 @@ class GroupsNotStored(Exception):
     pass
 
 
-class Trainer:
+class Trainer(ConsumingService):
     def __init__(self, nc: nats.NATS, dsn: str, settings: TrainerSettings, *, trainer_id: str = SERVICE):
         self.nc = nc
         self.js = nc.jetstream()
@@ -101,28 +101,21 @@ class Trainer:
         self.db = ServicePool(dsn, max_size=2)
         self.policies = checkpoints.PolicyCache(settings)
         self._tracer = tracer(SERVICE)
-        self.consumer = DurableConsumer(
-            self.js,
-            service=SERVICE,
-            stream=subjects.TRAINING,
-            durable=TRAINER_CONSUMER,
-            filter_subject=subjects.train("requested", "*", "*"),
-            handler=self.handle_batch,
-            options=ConsumerOptions(batch_size=1, ack_wait_s=settings.ack_wait_s, fetch_timeout_s=0.5),
-        )
+        self.consumers = [
+            DurableConsumer(
+                self.js,
+                service=SERVICE,
+                stream=subjects.TRAINING,
+                durable=TRAINER_CONSUMER,
+                filter_subject=subjects.train("requested", "*", "*"),
+                handler=self.handle_batch,
+                options=ConsumerOptions(batch_size=1, ack_wait_s=settings.ack_wait_s, fetch_timeout_s=0.5),
+            )
+        ]
 
     async def start(self) -> None:
         await self.db.open()
-        await self.consumer.start()
-
-    async def run(self) -> None:
-        await self.consumer.run()
-
-    def stop(self) -> None:
-        self.consumer.stop()
-
-    async def close(self) -> None:
-        await self.db.close()
+        await super().start()
 
     async def handle_batch(self, msgs: Sequence[Msg]) -> list[BaseException | None]:
         outcomes: list[BaseException | None] = []
