@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import datetime as dt
 import inspect
-import math
 import time
 import traceback
 from collections.abc import Awaitable, Iterable, Iterator
@@ -20,6 +19,8 @@ from artery import convert
 from artery.schemas import History as WireHistory
 from artery.schemas import RewardSpec, Tool, TrajectoryException, TrajectoryGroupSubmitted, new_event_id
 from artery.schemas import Trajectory as WireTrajectory
+from artery.services.collector.validate import check_finite
+from artery.shared.errors import InvalidMessage
 from artery.shared.tracing import tracer
 
 _tracer = tracer("artery.sdk")
@@ -160,14 +161,11 @@ class TrajectoryGroup:
     ) -> TrajectoryGroupSubmitted:
         if not self.trajectories:
             raise ValueError("a trajectory group needs at least one trajectory")
-        for i, t in enumerate(self.trajectories):
-            if not math.isfinite(t.reward):
-                raise ValueError(f"trajectory {i} has reward {t.reward}: rewards must be finite")
         # One id per group, whatever the number of calls: publishing the same group again (a retry
         # after an error) is then de-duplicated by JetStream and the collector, never stored twice.
         if getattr(self, "_event_id", None) is None:
             self._event_id = new_event_id()
-        return TrajectoryGroupSubmitted(
+        event = TrajectoryGroupSubmitted(
             id=self._event_id,
             project=project,
             model=model,
@@ -180,6 +178,11 @@ class TrajectoryGroup:
             split=split,
             reward=self.reward,
         )
+        try:  # the collector's own check, so the agent hears of it now and not in a dead letter
+            check_finite(event)
+        except InvalidMessage as exc:
+            raise ValueError(f"{exc.reason}: rewards, metrics and metadata must be finite") from None
+        return event
 
 
 async def _gather_group(cls, items: list[Any], kwargs: dict[str, Any]) -> TrajectoryGroup:

@@ -25,10 +25,15 @@ class TrainConfig(Struct, kw_only=True):
     max_grad_norm: float | None = None
 
 
+#: The most groups one step may name: far above a GRPO step (tens to hundreds of groups), and
+#: low enough that a runaway request cannot make the trainer load the whole table into memory.
+MAX_GROUPS_PER_STEP = 10_000
+
+
 class TrainRequested(Event, kw_only=True, tag="train.requested"):
     """One training step over the named groups (stored by the collector)."""
 
-    group_ids: Annotated[list[EventId], msgspec.Meta(min_length=1)]
+    group_ids: Annotated[list[EventId], msgspec.Meta(min_length=1, max_length=MAX_GROUPS_PER_STEP)]
     config: TrainConfig = msgspec.field(default_factory=TrainConfig)
     #: Off-policy mode: groups sampled more than this many steps ago are dropped.
     max_steps_off_policy: int | None = None

@@ -20,6 +20,7 @@ import msgspec
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
+from artery.schemas.training import MAX_GROUPS_PER_STEP
 from artery.shared.codec import CONTENT_TYPES, JSON, MSGPACK, EventDecoder
 from artery.shared.errors import InvalidMessage
 from tests.factories import group
@@ -142,6 +143,8 @@ def base_group(project: str = PROJECT, model: str = MODEL, size: int = 2) -> dic
     document = msgspec.to_builtins(group(project, model, size=size, seed=7))
     document["id"] = "fz-hostile"
     document["time"] = "2026-01-01T00:00:00Z"  # the same bytes on every run
+    for trajectory in document["trajectories"]:
+        trajectory.setdefault("metadata", {})
     return {"metrics": {}, "metadata": {}, **document}
 
 
@@ -322,6 +325,8 @@ def hostile_groups(max_bytes: int) -> st.SearchStrategy[Hostile]:
         ("trajectories", 1, "reward"),
         ("trajectories", 0, "metrics", "m"),
         ("metrics", "m"),
+        ("trajectories", 0, "metadata", "m"),
+        ("metadata", "m"),
         ("trajectories", 0, "messages", 2, "sample", "logprobs", 0),
         ("trajectories", 1, "messages", 4, "sample", "logprobs", 3),
     ]
@@ -460,6 +465,12 @@ def _train_requests() -> st.SearchStrategy[Hostile]:
             r"not registered",
         )
 
+    def too_many_groups(content_type):
+        ids = [f"group-{i}" for i in range(MAX_GROUPS_PER_STEP + 1)]
+        document = {**_train_doc(), "group_ids": ids}
+        payload = encode(document, content_type)
+        return Hostile("too_many_groups", TRAIN_SUBJECT, payload, content_type, _VALIDATION, r"length <=")
+
     def truncated(content_type, fraction):
         full = encode(_train_doc(), content_type)
         payload = full[: int(len(full) * fraction)]
@@ -490,6 +501,7 @@ def _train_requests() -> st.SearchStrategy[Hostile]:
         st.builds(
             unregistered, st.sampled_from([1, 2, 10_000]), payload_of(), st.sampled_from(["grpo", "ppo"])
         ),
+        st.builds(too_many_groups, payload_of()),
         st.builds(
             lambda subject, ct: Hostile(
                 "subject_mismatch",

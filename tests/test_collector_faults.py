@@ -88,6 +88,8 @@ async def test_bad_input_is_dead_lettered_with_reason_while_good_input_flows(js,
     nan_reward["trajectories"][1]["reward"] = math.nan
     inf_metric = as_dict(group(size=2, seed=101))
     inf_metric["trajectories"][0]["metrics"]["x"] = math.inf
+    inf_metadata = as_dict(group(size=2, seed=107))
+    inf_metadata["trajectories"][1]["metadata"] = {"temperature": -math.inf}  # jsonb would say null
     wrong_type = as_dict(group(size=2, seed=102))
     wrong_type["trajectories"][0]["reward"] = "high"
     empty = as_dict(group(size=1, seed=103))
@@ -104,6 +106,7 @@ async def test_bad_input_is_dead_lettered_with_reason_while_good_input_flows(js,
         (SUBJECT, encode(wrong_type), "application/json", "validation"),
         (SUBJECT, msgspec.msgpack.encode(nan_reward), MSGPACK, "non_finite"),
         (SUBJECT, msgspec.msgpack.encode(inf_metric), MSGPACK, "non_finite"),
+        (SUBJECT, msgspec.msgpack.encode(inf_metadata), MSGPACK, "non_finite"),
         (SUBJECT, encode(empty), "application/json", "validation"),
         (SUBJECT, encode(unknown_tag), "application/json", "validation"),
         (SUBJECT, encode(huge), "application/json", "too_large"),
@@ -130,8 +133,11 @@ async def test_bad_input_is_dead_lettered_with_reason_while_good_input_flows(js,
         assert letter.kind == kind, (i, letter.reason)
         assert letter.reason and letter.service == "collector" and letter.subject == SUBJECT
         assert letter.content_type == content_type
+    non_finite = {lt.reason for lt in letters if lt.kind == "non_finite"}
+    assert any("reward is nan" in r for r in non_finite) and any(
+        "metadata['temperature'] is -inf" in r for r in non_finite
+    )
     reasons = {lt.kind: lt.reason for lt in letters}
-    assert "reward is nan" in reasons["non_finite"] or "is inf" in reasons["non_finite"]
     assert "bytes is more than the limit" in reasons["too_large"]
 
     async def good_stored():

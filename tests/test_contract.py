@@ -347,7 +347,7 @@ def test_drift_is_detected(tmp_path):
 ASYNCAPI = json.loads((generate.GENERATED_DIR / "asyncapi.json").read_text())
 # Functions of shared/subjects.py that name KV keys or parse subjects; every other one is a subject
 # and must have a channel.
-NOT_SUBJECT_FUNCTIONS = {"model_key", "parse_trajectories"}
+NOT_SUBJECT_FUNCTIONS = {"model_key", "replica_key", "replica_keys", "parse_trajectories"}
 SUBJECT_FUNCTIONS = [
     fn
     for name, fn in inspect.getmembers(subjects, inspect.isfunction)

@@ -208,3 +208,22 @@ async def test_history_goes_under_the_local_backends_path_unless_set(tmp_path):
     chosen = art.TrainableModel(name="m", project="p", base_model="x", base_path=str(tmp_path / "mine"))
     await chosen.register(PathBackend())
     assert chosen.directory == tmp_path / "mine" / "p" / "models" / "m"
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        (lambda t: setattr(t, "reward", float("nan")), "reward is nan"),
+        (lambda t: t.metrics.update(latency=float("inf")), "metrics['latency'] is inf"),
+        (lambda t: t.metadata.update(temperature=float("-inf")), "metadata['temperature'] is -inf"),
+    ],
+)
+def test_a_group_with_a_non_finite_number_is_refused_before_it_is_published(change, named):
+    """The collector would dead-letter it; the agent hears of it at once, with the field named."""
+    good = art.Trajectory(messages_and_choices=[{"role": "user", "content": "hi"}], reward=1.0)
+    bad = art.Trajectory(messages_and_choices=[{"role": "user", "content": "hi"}], reward=0.0)
+    change(bad)
+    group = art.TrajectoryGroup([good, bad])
+    with pytest.raises(ValueError, match=named.replace("[", r"\[").replace("]", r"\]")):
+        group.to_event(project="p", model="m")
+    assert art.TrajectoryGroup([good]).to_event(project="p", model="m").trajectories[0].reward == 1.0

@@ -61,7 +61,8 @@ def decode_group(
 
 
 def check_finite(group: TrajectoryGroupSubmitted) -> None:
-    """NaN and infinities would poison every mean and every advantage downstream."""
+    """NaN and infinities would poison every mean and every advantage downstream; in metadata,
+    PostgreSQL's jsonb cannot hold them and they would come back as null."""
     for i, trajectory in enumerate(group.trajectories):
         if not math.isfinite(trajectory.reward):
             raise InvalidMessage(
@@ -69,13 +70,8 @@ def check_finite(group: TrajectoryGroupSubmitted) -> None:
                 f"trajectories[{i}].reward is {trajectory.reward}",
                 original_id=group.id,
             )
-        for key, value in trajectory.metrics.items():
-            if isinstance(value, float) and not math.isfinite(value):
-                raise InvalidMessage(
-                    "non_finite",
-                    f"trajectories[{i}].metrics[{key!r}] is {value}",
-                    original_id=group.id,
-                )
+        _check_finite_values(trajectory.metrics, f"trajectories[{i}].metrics", group.id)
+        _check_finite_values(trajectory.metadata, f"trajectories[{i}].metadata", group.id)
         for m, message in enumerate(trajectory.messages):
             sample = message.sample
             if sample is None:
@@ -91,6 +87,11 @@ def check_finite(group: TrajectoryGroupSubmitted) -> None:
                 raise InvalidMessage(
                     "non_finite", f"{where}.logprobs has a non-finite value", original_id=group.id
                 )
-    for key, value in group.metrics.items():
+    _check_finite_values(group.metrics, "metrics", group.id)
+    _check_finite_values(group.metadata, "metadata", group.id)
+
+
+def _check_finite_values(values: dict, where: str, group_id: str) -> None:
+    for key, value in values.items():
         if isinstance(value, float) and not math.isfinite(value):
-            raise InvalidMessage("non_finite", f"metrics[{key!r}] is {value}", original_id=group.id)
+            raise InvalidMessage("non_finite", f"{where}[{key!r}] is {value}", original_id=group_id)
