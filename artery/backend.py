@@ -28,6 +28,7 @@ from opentelemetry import trace
 
 from artery.schemas import (
     ModelRecord,
+    ReplicaInfo,
     RetentionApplied,
     RetentionRequested,
     TrainCompleted,
@@ -150,6 +151,10 @@ class Backend:
             if asyncio.get_running_loop().time() > deadline:
                 return None
             await asyncio.sleep(0.2)
+
+    async def replicas(self, model: Model) -> list[ReplicaInfo]:
+        """The live inference replicas of ``model``, from the registry."""
+        return await live_replicas(await self._js(), model.project, model.name)
 
     async def _get_step(self, model: Model) -> int:
         kv = await self._models_kv()

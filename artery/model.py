@@ -61,6 +61,8 @@ class Model:
         self.report_metrics = report_metrics
         self._backend: Backend | None = None
         self._openai_client = None
+        #: The endpoint came from the registry: requests follow its live replicas (``routing``).
+        self._from_registry = False
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(project={self.project!r}, name={self.name!r})"
@@ -78,6 +80,7 @@ class Model:
         self._backend = backend
         if self.trainable and self.inference_base_url is None:
             self.inference_base_url = await backend._inference_url(self)
+            self._from_registry = self.inference_base_url is not None and not backend.inference_url
             self.inference_api_key = self.inference_api_key or backend.inference_api_key
             self.inference_model_name = self.inference_model_name or self.name
 
@@ -92,18 +95,25 @@ class Model:
             import httpx
             import openai
 
+            from artery.routing import ReplicaRouter
+
             if self.inference_base_url is None:
                 raise RuntimeError(f"{self!r} has no inference endpoint: register it with a backend first")
+            transport = httpx.AsyncHTTPTransport(
+                limits=httpx.Limits(max_connections=100_000, max_keepalive_connections=100_000)
+            )
+            if self._from_registry:
+                transport = ReplicaRouter(
+                    transport,
+                    lambda: self.backend.replicas(self),
+                    base_path=httpx.URL(self.inference_base_url).path,
+                )
             self._openai_client = openai.AsyncOpenAI(
                 base_url=self.inference_base_url,
                 api_key=self.inference_api_key or "artery",
                 http_client=httpx.AsyncClient(
                     timeout=httpx.Timeout(timeout=1200, connect=5.0),
-                    transport=traced_transport(
-                        httpx.AsyncHTTPTransport(
-                            limits=httpx.Limits(max_connections=100_000, max_keepalive_connections=100_000)
-                        )
-                    ),
+                    transport=traced_transport(transport),
                 ),
             )
         return self._openai_client
