@@ -40,10 +40,13 @@ async def engine(model_path):
 
 @pytest.fixture(scope="module")
 def adapter_dir(model_path, tmp_path_factory):
+    return save_random_adapter(model_path, tmp_path_factory.mktemp("adapter"))
+
+
+def save_random_adapter(model_path, dest):
     """A LoRA that includes lm_head (on this tiny tied model, attention alone barely moves logits)."""
     from peft import LoraConfig, get_peft_model
 
-    dest = tmp_path_factory.mktemp("adapter")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = get_peft_model(
@@ -222,7 +225,9 @@ async def test_max_batch_size_splits_batches(model_path):
     await engine.start()
     try:
         prompt = _prompt(engine)
-        await asyncio.gather(*[engine.generate(_request(prompt, temperature=1.0, n=2)) for _ in range(3)])
+        # Seeded: the third request would join the first batch if two of its rows ended early.
+        requests = [_request(prompt, temperature=1.0, n=2, seed=i) for i in range(3)]
+        await asyncio.gather(*[engine.generate(r) for r in requests])
         assert engine.stats.batches == 2
     finally:
         await engine.close()

@@ -2,10 +2,13 @@
 
 Requests wait in one queue. A scheduler task takes the oldest one together with every waiting
 request for the same adapter (up to ``max_batch_size`` completions, counting ``n``) and decodes
-them as one batch on a dedicated model thread, so the event loop stays free; requests that arrive
-meanwhile form the next batch. Tokens travel back to each request's own asyncio queue as they are
-sampled. One lock guards the model: adapters load, unload, and the model sleeps, only between
-batches. A request whose ``n`` alone exceeds ``max_batch_size`` runs as a batch of its own.
+them as one batch on a dedicated model thread, so the event loop stays free. Requests that arrive
+meanwhile join the running batch between two decode steps (continuous batching) while they are
+for its adapter and rows are free; the first waiting request that cannot join stops admission, so
+the batch drains and that request starts the next one. Tokens travel back to each request's own
+asyncio queue as they are sampled. One lock guards the model: adapters load, unload, and the model
+sleeps, only between batches; while someone waits for it, nothing joins the running batch. A
+request whose ``n`` alone exceeds ``max_batch_size`` runs as a batch of its own.
 
 What a completion holds: every sampled token id, the end-of-sequence token included (the model
 produced it and a trainer must score it); per-token logprobs as documented in ``sampling``; text
@@ -17,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import functools
 import logging
 import secrets
 import threading
@@ -92,6 +96,12 @@ class TransformersEngine:
         self._sleeping = False
         self._abort = threading.Event()
         self._pending: deque[_Job] = deque()
+        #: Guards ``_pending`` and the job list of the running batch: the model thread takes
+        #: waiting jobs into the batch between steps while the event loop submits and fails them.
+        self._waiting_lock = threading.Lock()
+        #: Callers waiting for the model between batches (sleep, wake, adapter changes); while
+        #: there are any, the running batch admits nothing and drains.
+        self._model_wanted = 0
         self._has_work = asyncio.Event()
         self._scheduler: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -132,8 +142,9 @@ class TransformersEngine:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._scheduler
             self._scheduler = None
-        while self._pending:
-            self._pending.popleft().queue.put_nowait(EngineError("the engine is closing"))
+        with self._waiting_lock:
+            waiting, self._pending = list(self._pending), deque()
+        _fail(waiting, EngineError("the engine is closing"))
         await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown)
 
     async def sleep(self) -> bool:
@@ -141,13 +152,13 @@ class TransformersEngine:
         if self._device is None or self._device.type != "cuda" or self._sleeping:
             return False
         self._awake.clear()
-        async with self._lock:
+        async with self._between_batches():
             await self._on_model_thread(self._to_cpu)
             self._sleeping = True
         return True
 
     async def wake(self) -> None:
-        async with self._lock:
+        async with self._between_batches():
             if self._sleeping:
                 await self._on_model_thread(lambda: self._lora.model.to(self._device))
                 self._sleeping = False
@@ -165,12 +176,23 @@ class TransformersEngine:
     # --- adapters --------------------------------------------------------------------------------
 
     async def load_adapter(self, name: str, path: Path) -> None:
-        async with self._lock:
+        async with self._between_batches():
             await self._on_model_thread(self._lora.load, name, Path(path))
 
     async def unload_adapter(self, name: str) -> None:
-        async with self._lock:
+        async with self._between_batches():
             await self._on_model_thread(self._lora.unload, name)
+
+    @contextlib.asynccontextmanager
+    async def _between_batches(self) -> AsyncIterator[None]:
+        """The model, once the running batch has ended; it stops admitting rows meanwhile, or
+        requests that keep arriving would keep it running for ever."""
+        self._model_wanted += 1
+        try:
+            async with self._lock:
+                yield
+        finally:
+            self._model_wanted -= 1
 
     def adapters(self) -> list[str]:
         return self._lora.names() if self._lora is not None else []
@@ -233,7 +255,8 @@ class TransformersEngine:
         if any(not 0 <= t < self._vocab_size for t in request.prompt_token_ids):
             raise EngineError("a prompt token id is outside the vocabulary")
         job = _Job(request, open_rows=params.n)
-        self._pending.append(job)
+        with self._waiting_lock:
+            self._pending.append(job)
         self._has_work.set()
         return job
 
@@ -254,49 +277,92 @@ class TransformersEngine:
                     await self._run(batch)
 
     async def _run(self, batch: list[_Job]) -> None:
+        """Decode ``batch``, which grows as requests join it, and fail all of it if that fails."""
         try:
             await self._on_model_thread(self._run_batch, batch)
         except asyncio.CancelledError:
-            _fail(batch, EngineError("the engine is closing"))
+            self._fail_batch(batch, EngineError("the engine is closing"))
             raise
         except EngineError as exc:
-            _fail(batch, exc)
+            self._fail_batch(batch, exc)
         except Exception as exc:
             log.exception("a batch of %d requests failed", len(batch))
-            _fail(batch, EngineError(f"generation failed: {exc!r}"))
+            self._fail_batch(batch, EngineError(f"generation failed: {exc!r}"))
+
+    def _fail_batch(self, batch: list[_Job], error: EngineError) -> None:
+        # Cancelled (the engine closing), the model thread may still be admitting jobs into it.
+        with self._waiting_lock:
+            _fail(batch, error)
 
     def _take_batch(self) -> list[_Job]:
         """The oldest live request and the next ones for the same adapter that fit beside it."""
-        while self._pending and self._pending[0].cancelled:
-            self._pending.popleft()
-        if not self._pending:
-            return []
-        adapter = self._pending[0].request.adapter
-        batch: list[_Job] = []
-        size = 0
-        for job in self._pending:
-            n = job.request.params.n
-            if job.cancelled or job.request.adapter != adapter or (batch and size + n > self.max_batch_size):
-                continue
-            batch.append(job)
-            size += n
-        taken = set(map(id, batch))
-        self._pending = deque(j for j in self._pending if id(j) not in taken and not j.cancelled)
+        with self._waiting_lock:
+            while self._pending and self._pending[0].cancelled:
+                self._pending.popleft()
+            if not self._pending:
+                return []
+            adapter = self._pending[0].request.adapter
+            batch: list[_Job] = []
+            size = 0
+            for job in self._pending:
+                n = job.request.params.n
+                if (
+                    job.cancelled
+                    or job.request.adapter != adapter
+                    or (batch and size + n > self.max_batch_size)
+                ):
+                    continue
+                batch.append(job)
+                size += n
+            taken = set(map(id, batch))
+            self._pending = deque(j for j in self._pending if id(j) not in taken and not j.cancelled)
         return batch
+
+    def _admit(self, adapter: str | None, batch: list[_Job], running: int) -> list[Row]:
+        """On the model thread, between steps: the rows of the waiting requests that join ``batch``.
+
+        The oldest waiting requests join while they are for the batch's adapter and fit beside the
+        ``running`` rows. The first one that does not stops admission and the batch drains for it,
+        so a request for another adapter, or one that needs more rows than are free, is never
+        overtaken for ever by requests that keep arriving.
+        """
+        if self._model_wanted:
+            return []
+        room = self.max_batch_size - running
+        joining: list[_Job] = []
+        with self._waiting_lock:
+            if self._abort.is_set():  # checked under the lock: close() fails what it finds after
+                return []
+            while self._pending:
+                job = self._pending[0]
+                n = job.request.params.n
+                if not job.cancelled and (job.request.adapter != adapter or n > room):
+                    break
+                self._pending.popleft()
+                if not job.cancelled:
+                    joining.append(job)
+                    room -= n
+            batch.extend(joining)
+        return [row for job in joining for row in self._rows(job)]
+
+    def _rows(self, job: _Job) -> list[Row]:
+        """One row per completion of ``job``, each drawing from its own seeded random stream."""
+        params = job.request.params
+        prompt = job.request.prompt_token_ids
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        budget = min(params.max_tokens, self.max_context - len(prompt))
+        cancelled = _flag(job)
+        rows = []
+        for i in range(params.n):
+            generator = torch.Generator().manual_seed(completion_seed(seed, i))
+            rows.append(Row(job, i, prompt, params, generator, budget, cancelled=cancelled))
+        return rows
 
     def _run_batch(self, batch: list[_Job]) -> None:
         """On the model thread: decode one batch, sending tokens to each request as they come."""
-        rows = []
-        for job in batch:
-            params = job.request.params
-            seed = params.seed if params.seed is not None else secrets.randbits(63)
-            budget = min(params.max_tokens, self.max_context - len(job.request.prompt_token_ids))
-            for i in range(params.n):
-                generator = torch.Generator().manual_seed(completion_seed(seed, i))
-                rows.append(
-                    Row(job, i, job.request.prompt_token_ids, params, generator, budget, cancelled=_flag(job))
-                )
-        with torch.inference_mode(), self._lora.active(batch[0].request.adapter) as model:
+        adapter = batch[0].request.adapter
+        rows = [row for job in batch for row in self._rows(job)]
+        with torch.inference_mode(), self._lora.active(adapter) as model:
             ctx = DecodeContext(
                 model,
                 self._thread_tokenizer,
@@ -306,6 +372,7 @@ class TransformersEngine:
                 self._emit,
                 self._abort,
                 self.stats,
+                admit=functools.partial(self._admit, adapter, batch),
             )
             decode_batch(rows, ctx)
 
