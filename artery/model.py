@@ -80,7 +80,9 @@ class Model:
         self._backend = backend
         if self.trainable and self.inference_base_url is None:
             self.inference_base_url = await backend._inference_url(self)
-            self._from_registry = self.inference_base_url is not None and not backend.inference_url
+            self._from_registry = self.inference_base_url is not None and not getattr(
+                backend, "inference_url", None
+            )
             self.inference_api_key = self.inference_api_key or backend.inference_api_key
             self.inference_model_name = self.inference_model_name or self.name
 
