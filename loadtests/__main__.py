@@ -8,12 +8,13 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
-from loadtests import inference, ingest, loop, trainer_step
+from loadtests import inference, ingest, loop, trainer_memory, trainer_step
 
 BENCHMARKS: dict[str, Callable[[list[str]], dict]] = {
     "ingest": ingest.main,
     "inference": inference.main,
     "trainer_step": trainer_step.main,
+    "trainer_memory": trainer_memory.main,
     "loop": loop.main,
 }
 

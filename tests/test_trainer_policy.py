@@ -13,14 +13,18 @@ from safetensors.torch import load_file
 from artery.schemas import Message, Sample, TrainConfig, Trajectory
 from artery.services.inference.engine.base import GenerationRequest, SamplingParams
 from artery.services.inference.engine.transformers_engine import TransformersEngine
+from artery.services.trainer import policy as policy_module
 from artery.services.trainer.policy import (
     LoraSettings,
     OptimSettings,
     Policy,
     flatten_optimizer_state,
+    next_token_logprobs,
     plan_groups,
+    token_logprobs,
     unflatten_optimizer_state,
 )
+from artery.services.trainer.sequences import build_sequences, pad_batch
 from artery.testing.tasks import half_alphabet_reward, half_alphabet_task_prompt, sample_trajectories
 from artery.testing.tiny_model import tiny_model_path
 
@@ -193,6 +197,93 @@ def test_plan_groups_by_hand():
     assert plan.metrics["reward_std"] == pytest.approx(0.25)  # (0.5 + 0) / 2
     with pytest.raises(ValueError, match="finite"):
         plan_groups([[t(float("nan")), t(1.0)]], scale_rewards=True)
+
+
+# --------------------------------------------------------------------------- logprobs
+
+
+def autograd_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The formula ``token_logprobs`` computes, as autograd would: [B,T,V], [B,T] -> [B,T]."""
+    scaled = logits.float() / temperature  # [B,T,V]
+    return scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, dim=-1)  # [B,T]
+
+
+@pytest.mark.parametrize("chunk_elements", [1, 2 * 3 * 50, 1 << 22])  # a position, two, all at once
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_token_logprobs_equal_the_autograd_formula(monkeypatch, chunk_elements, temperature):
+    monkeypatch.setattr(policy_module, "LOGPROB_CHUNK_ELEMENTS", chunk_elements)
+    generator = torch.Generator().manual_seed(0)
+    logits = (4 * torch.randn(3, 7, 50, generator=generator)).requires_grad_()  # [B,T,V]
+    targets = torch.randint(0, 50, (3, 7), generator=generator)  # [B,T]
+    upstream = torch.randn(3, 7, generator=generator)  # [B,T] a loss's gradient
+
+    reference = autograd_token_logprobs(logits, targets, temperature)
+    (reference_grad,) = torch.autograd.grad((reference * upstream).sum(), logits)
+    chunked = token_logprobs(logits, targets, temperature)
+    (chunked_grad,) = torch.autograd.grad((chunked * upstream).sum(), logits)
+
+    torch.testing.assert_close(chunked, reference, rtol=0, atol=1e-5)
+    torch.testing.assert_close(chunked_grad, reference_grad, rtol=0, atol=1e-5)
+
+
+def test_bf16_logits_get_the_gradient_autograd_gives_them():
+    """The GPU path: bf16 logits, float32 logprobs, and a bf16 gradient, as ``.float()``'s backward."""
+    generator = torch.Generator().manual_seed(1)
+    logits = (4 * torch.randn(2, 6, 40, generator=generator)).bfloat16().requires_grad_()  # [B,T,V]
+    targets = torch.randint(0, 40, (2, 6), generator=generator)  # [B,T]
+    upstream = torch.randn(2, 6, generator=generator)  # [B,T]
+
+    reference = autograd_token_logprobs(logits, targets, 0.7)
+    (reference_grad,) = torch.autograd.grad((reference * upstream).sum(), logits)
+    chunked = token_logprobs(logits, targets, 0.7)
+    (chunked_grad,) = torch.autograd.grad((chunked * upstream).sum(), logits)
+
+    assert chunked.dtype == torch.float32 and chunked_grad.dtype == torch.bfloat16
+    torch.testing.assert_close(chunked, reference, rtol=0, atol=1e-5)
+    torch.testing.assert_close(chunked_grad, reference_grad)
+
+
+def test_token_logprobs_keep_no_copy_of_the_logits_for_backward():
+    logits = torch.randn(2, 5, 64, requires_grad=True)  # [B,T,V]
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        token_logprobs(logits, torch.zeros(2, 5, dtype=torch.long), 1.0)
+    full = [t for t in saved if t.numel() >= logits.numel()]
+    assert [t.untyped_storage().data_ptr() for t in full] == [logits.untyped_storage().data_ptr()]
+    assert sum(t.numel() for t in saved) == logits.numel() + 2 * 2 * 5  # + targets and logsumexp
+
+
+def padded_batch(policy: Policy) -> dict[str, torch.Tensor]:
+    groups = scored_groups(policy)
+    plan = plan_groups(groups, scale_rewards=True)
+    sequences, _ = build_sequences(groups, plan.advantages, policy.tokenizer, max_seq_len=MAX_SEQ_LEN)
+    return pad_batch(sequences, policy.pad_id)
+
+
+def test_next_token_logprobs_equal_those_of_the_full_logits(model_path):
+    """Logits only from the first trained position on: the same logprobs where tokens are trained,
+    and the same adapter gradient, as the whole sequence's logits through the autograd formula."""
+    policy = make_policy(model_path)
+    batch = padded_batch(policy)
+    mask = batch["assistant_mask"]  # [B,T-1]
+    weights = torch.randn(mask.shape, generator=torch.Generator().manual_seed(0)) * mask  # [B,T-1]
+    input_ids = batch["input_ids"]  # [B,T]
+    # Move the adapter off its zero start (LoRA B = 0), so that every adapter weight gets a gradient.
+    policy.train_step(scored_groups(policy), TrainConfig(learning_rate=1e-2), max_seq_len=MAX_SEQ_LEN)
+
+    logits = policy.model(input_ids=input_ids, attention_mask=batch["attention_mask"]).logits  # [B,T,V]
+    full = autograd_token_logprobs(logits[:, :-1], input_ids[:, 1:], 0.8)  # [B,T-1]
+    full_grads = torch.autograd.grad((full * weights).sum(), [p for _, p in policy.named_trainable])
+    kept = next_token_logprobs(policy.model, batch, 0.8)  # [B,T-1]
+    kept_grads = torch.autograd.grad((kept * weights).sum(), [p for _, p in policy.named_trainable])
+
+    start = int(mask.any(0).nonzero()[0, 0])
+    assert start > 5  # the prompt's positions were left out
+    assert torch.equal(kept[:, :start], torch.zeros_like(kept[:, :start]))
+    torch.testing.assert_close(kept * mask, full * mask, rtol=0, atol=1e-5)
+    for kept_grad, full_grad in zip(kept_grads, full_grads, strict=True):
+        torch.testing.assert_close(kept_grad, full_grad, rtol=1e-4, atol=1e-6)
+    assert max(float(g.abs().max()) for g in full_grads) > 1e-3
 
 
 # --------------------------------------------------------------------------- micro-batching
