@@ -88,6 +88,7 @@ def stream_config(spec: subjects.StreamSpec, settings: CommonSettings) -> Stream
         retention=RetentionPolicy.LIMITS,  # kept for replay; consumers track their own position
         storage=StorageType.FILE,
         num_replicas=settings.stream_replicas,
+        allow_direct=spec.direct,
         duplicate_window=DUPLICATE_WINDOW_S,
         max_msg_size=settings.max_payload_bytes,
     )

@@ -11,12 +11,12 @@ What JetStream needs, found against a real nats-server (``tests/test_security.py
   connect) and may subscribe to that only, so nobody reads another client's replies;
 - a durable pull consumer: ``$JS.API.CONSUMER.INFO|CREATE.<stream>.<durable>[.<filter>]``,
   ``$JS.API.CONSUMER.MSG.NEXT.<stream>.<durable>`` and acks on ``$JS.ACK.<stream>.<durable>.>``;
-- an ordered consumer (checkpoint watcher, object get): ``$JS.API.STREAM.NAMES``,
+- an ordered consumer (object get): ``$JS.API.STREAM.NAMES``,
   ``$JS.API.CONSUMER.CREATE.<stream>`` and flow-control replies on ``$JS.FC.<stream>.>``. The
   consumer's name is in the body there, not the subject: the server refuses a ``durable_name``
   but takes a ``name``, so whoever may create one on a stream may also change the settings of an
-  existing consumer of that stream. Only ``inference`` holds this on a stream with another
-  service's durable (``publisher`` on ARTERY_CHECKPOINTS);
+  existing consumer of that stream. Nobody holds this on a stream with a durable consumer:
+  inference follows checkpoints by subscribing and reads the last one by direct get;
 - KV: ``$JS.API.STREAM.INFO.KV_<bucket>``; gets through ``$JS.API.DIRECT.GET.KV_<bucket>.<key
   subject>`` (the models bucket allows direct gets), so an agent reads its own project's records
   only; listing keys (replicas) through a consumer whose filter is in the create subject
@@ -252,12 +252,19 @@ def permissions(role: str, user: str, *, project: str | None = None) -> Permissi
         subscribe += [subjects.retention_request("*", "*")]
         responses = True
     elif role == "inference":
+        published = subjects.checkpoint("published", "*", "*")
         publish += [
-            *_ordered(subjects.CHECKPOINTS.name),  # follows checkpoint.published / deleted
+            # The last published adapter, by direct get: no consumer on ARTERY_CHECKPOINTS.
+            f"{JS_API}.DIRECT.GET.{subjects.CHECKPOINTS.name}.{published}",
             *_object_read(adapters),
             *_kv_write(replicas),  # its heartbeat
         ]
-        subscribe += [subjects.control("pause", "*", "*"), subjects.control("resume", "*", "*")]
+        subscribe += [
+            subjects.control("pause", "*", "*"),
+            subjects.control("resume", "*", "*"),
+            published,  # followed live (services.inference.checkpoints)
+            subjects.checkpoint("deleted", "*", "*"),
+        ]
         responses = True  # pause and resume acks, on the trainer's inbox only
     publish.append(subjects.dead_letter(role))
     return Permissions(

@@ -16,6 +16,9 @@ class StreamSpec:
     name: str
     subjects: tuple[str, ...]
     description: str
+    #: Direct gets (``$JS.API.DIRECT.GET.<stream>.<subject>``): the last message of a subject,
+    #: read without a consumer, and grantable per subject.
+    direct: bool = False
 
 
 TRAJECTORIES = StreamSpec(
@@ -23,7 +26,9 @@ TRAJECTORIES = StreamSpec(
 )
 GROUPS = StreamSpec("ARTERY_GROUPS", (f"{PREFIX}.group.>",), "stored groups: ready for reward, then scored")
 TRAINING = StreamSpec("ARTERY_TRAINING", (f"{PREFIX}.train.>",), "train requests and their outcomes")
-CHECKPOINTS = StreamSpec("ARTERY_CHECKPOINTS", (f"{PREFIX}.ckpt.>",), "adapters saved, published and deleted")
+CHECKPOINTS = StreamSpec(
+    "ARTERY_CHECKPOINTS", (f"{PREFIX}.ckpt.>",), "adapters saved, published and deleted", direct=True
+)
 DLQ = StreamSpec("ARTERY_DLQ", (f"{PREFIX}.dlq.>",), "rejected input with the reason")
 
 STREAMS: tuple[StreamSpec, ...] = (TRAJECTORIES, GROUPS, TRAINING, CHECKPOINTS, DLQ)

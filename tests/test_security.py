@@ -323,7 +323,7 @@ async def test_only_the_publisher_writes_adapters_and_inference_reads_them(secur
     watcher = CheckpointWatcher(
         inference.js, PROJECT, MODEL, engine, lambda step, served: None, cache_dir=tmp_path / "cache"
     )
-    await watcher.start()  # follows checkpoint.published with an ordered consumer
+    await watcher.start()  # follows checkpoint.published by subscribing, reads the last by direct get
     try:
         publisher = await secured.connect("publisher")
         await put_adapter(publisher.js, name, data)
@@ -365,6 +365,28 @@ async def test_only_the_publisher_writes_adapters_and_inference_reads_them(secur
     store = await inference.nc.jetstream(timeout=DENIED_WAIT_S).object_store(subjects.ADAPTERS_BUCKET)
     await inference.denied(f"$O.{subjects.ADAPTERS_BUCKET}.M.", store.delete(name))
     assert await get_adapter(publisher.js, name) == data
+
+    # A replica that starts after the publication loads it from the last message (a direct get).
+    late = RecordingEngine()
+    watcher = CheckpointWatcher(
+        inference.js, PROJECT, MODEL, late, lambda step, served: None, cache_dir=tmp_path / "late"
+    )
+    await watcher.start()
+    try:
+        for _ in range(250):
+            if late.loaded:
+                break
+            await asyncio.sleep(0.02)
+        assert late.loaded == [f"{MODEL}@1"]
+    finally:
+        await watcher.stop()
+    # Inference creates no consumer on the checkpoints stream, where the publisher's durable is:
+    # with that permission it could change the durable's settings.
+    checkpoints = subjects.CHECKPOINTS.name
+    await inference.denied(
+        f"$JS.API.CONSUMER.CREATE.{checkpoints}",
+        inference.js.subscribe(subjects.checkpoint("published", PROJECT, MODEL), ordered_consumer=True),
+    )
 
 
 async def test_every_service_runs_its_consumer_under_its_own_user(secured):
