@@ -46,7 +46,7 @@ test: setup lint prepare-model
 	$(PY) -m artery.schemas.generate --check
 	$(PY) -m pytest -q
 
-bench: setup
+bench: setup prepare-model  # trainer_memory measures SmolLM2
 	$(PY) -m loadtests
 
 # Every service SIGKILLed at random moments of a training run; checks nothing is lost (~2 min).
