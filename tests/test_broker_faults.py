@@ -18,7 +18,9 @@ from __future__ import annotations
 import asyncio
 import time
 
+import nats.errors
 import pytest
+from nats.js.errors import ServiceUnavailableError
 
 from artery.services.collector.service import Collector
 from artery.services.collector.settings import CollectorSettings
@@ -42,6 +44,19 @@ def cluster(tmp_path):
     c = NatsCluster(tmp_path / "cluster", size=3).start()
     yield c
     c.stop()
+
+
+async def stream_info_after_the_kill(js, name: str, timeout_s: float = 30.0):
+    """A stream whose leader was on the dead node answers once its new leader is elected; a quiet
+    one (the dead-letter stream) may take longer than the API's timeout to get there."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return await js.stream_info(name)
+        except (nats.errors.TimeoutError, ServiceUnavailableError):
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.2)
 
 
 async def provision_when_ready(settings: CommonSettings) -> None:
@@ -148,22 +163,22 @@ async def test_stream_leader_killed_mid_ingest_stores_every_group_exactly_once(
         # JetStream stored each group once although some publishes were sent twice, and each
         # group.ready once although redelivered batches announced again.
         assert len(producer.acked) == GROUPS and len(set(producer.acked.values())) == GROUPS
-        trajectories = await admin_js.stream_info(subjects.TRAJECTORIES.name)
+        trajectories = await stream_info_after_the_kill(admin_js, subjects.TRAJECTORIES.name)
         assert trajectories.state.messages == GROUPS
 
         async def announced_once():
-            ready = await admin_js.stream_info(subjects.GROUPS.name)
+            ready = await stream_info_after_the_kill(admin_js, subjects.GROUPS.name)
             return ready.state.messages == GROUPS
 
         await wait_for(announced_once, timeout=30)
-        assert (await admin_js.stream_info(subjects.DLQ.name)).state.messages == 0
+        assert (await stream_info_after_the_kill(admin_js, subjects.DLQ.name)).state.messages == 0
 
         # Same collector, same task: it reconnected and kept consuming.
         assert not collector_task.done()
         assert processed(collector) > processed_at_kill
         assert collector_nc.stats["reconnects"] >= 1 and producer_nc.stats["reconnects"] >= 1
         assert collector_nc.is_connected
-        new_leader = (await admin_js.stream_info(subjects.TRAJECTORIES.name)).cluster.leader
+        new_leader = (await stream_info_after_the_kill(admin_js, subjects.TRAJECTORIES.name)).cluster.leader
         print(
             f"\npublished {GROUPS} groups ({len(producer.failures)} failed publishes retried:"
             f" {sorted(set(producer.failures))}); stored {GROUPS}; killed leader {victim.name} at"
