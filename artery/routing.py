@@ -10,6 +10,7 @@ connection; the request then goes to another replica (nothing was sent, so nothi
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import time
@@ -48,6 +49,7 @@ class ReplicaRouter(httpx.AsyncBaseTransport):
         self._replicas: list[ReplicaInfo] = []
         self._read_at = float("-inf")
         self._turn = itertools.count()
+        self._reading = asyncio.Lock()
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         wanted = _requested_model(request)
@@ -69,14 +71,22 @@ class ReplicaRouter(httpx.AsyncBaseTransport):
         await self.inner.aclose()
 
     async def _pick(self, wanted: str | None, refused: set[str]) -> ReplicaInfo | None:
-        if time.monotonic() - self._read_at > self.refresh_s:
-            self._replicas = sorted(await self.read_replicas(), key=lambda r: r.replica_id)
-            self._read_at = time.monotonic()
+        await self._refresh()
         live = [r for r in self._replicas if r.replica_id not in refused]
         serving = [r for r in live if wanted in r.served] if wanted else []
         # A name no replica lists yet (an adapter still loading) is left to a replica to answer.
         candidates = serving or live
         return candidates[next(self._turn) % len(candidates)] if candidates else None
+
+    async def _refresh(self) -> None:
+        """Read the registry when the last read is older than ``refresh_s``: once, however many
+        requests (a whole group of rollouts) find it old at the same moment."""
+        if time.monotonic() - self._read_at <= self.refresh_s:
+            return
+        async with self._reading:
+            if time.monotonic() - self._read_at > self.refresh_s:
+                self._replicas = sorted(await self.read_replicas(), key=lambda r: r.replica_id)
+                self._read_at = time.monotonic()
 
     def _routed(self, request: httpx.Request, replica: ReplicaInfo) -> httpx.Request:
         path = request.url.raw_path.decode("ascii")

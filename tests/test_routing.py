@@ -100,3 +100,30 @@ async def test_no_live_replica_is_a_connection_error_that_names_the_model(nats_s
             with pytest.raises(openai.APIConnectionError) as caught:
                 await ask(client)
             assert "no live replica serves agent" in repr(caught.value.__cause__)
+
+
+async def test_a_burst_of_requests_reads_the_registry_once():
+    """A group's rollouts all start at once: one registry read serves them all."""
+    import asyncio
+
+    import httpx
+
+    reads = 0
+
+    async def replicas() -> list[ReplicaInfo]:
+        nonlocal reads
+        reads += 1
+        await asyncio.sleep(0.05)  # a round trip to NATS
+        return [ReplicaInfo(replica_id="r", project=PROJECT, model=MODEL, engine="fake", url="http://r:1")]
+
+    seen: list[str] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(str(request.url))
+        return httpx.Response(200, json={})
+
+    router = routing.ReplicaRouter(httpx.MockTransport(answer), replicas, base_path="/v1", refresh_s=60)
+    async with httpx.AsyncClient(transport=router, base_url="http://placeholder/v1") as client:
+        await asyncio.gather(*(client.post("/chat/completions", json={"model": MODEL}) for _ in range(32)))
+    assert reads == 1
+    assert seen == ["http://r:1/v1/chat/completions"] * 32
