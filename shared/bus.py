@@ -29,6 +29,7 @@ from artery.schemas import SCHEMA_VERSION, Event
 from artery.shared import subjects
 from artery.shared.auth import nats_connect_options
 from artery.shared.codec import JSON, encode
+from artery.shared.kv import kv_stream
 from artery.shared.logs import get_logger
 from artery.shared.settings import CommonSettings
 from artery.shared.tracing import inject
@@ -134,7 +135,7 @@ async def _ensure_kv(js: JetStreamContext, config: KeyValueConfig) -> None:
         await js.create_key_value(config)
         return
     if config.direct:  # a bucket made before reads went through direct gets
-        stream = (await js.stream_info(f"KV_{config.bucket}")).config
+        stream = (await js.stream_info(kv_stream(config.bucket))).config
         if not stream.allow_direct:
             stream.allow_direct = True
             await js.update_stream(stream)

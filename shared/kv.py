@@ -24,7 +24,8 @@ _REMOVED = {"DEL", "PURGE"}
 _INACTIVE_S = 30.0
 
 
-def stream_of(bucket: str) -> str:
+def kv_stream(bucket: str) -> str:
+    """The stream that holds a KV bucket."""
     return f"KV_{bucket}"
 
 
@@ -41,7 +42,7 @@ async def latest_values(
     created = False
     try:
         info = await js.add_consumer(
-            stream_of(bucket),
+            kv_stream(bucket),
             ConsumerConfig(
                 name=name,
                 filter_subject=prefix + keys,
@@ -68,4 +69,4 @@ async def latest_values(
             await sub.unsubscribe()
         if created:
             with contextlib.suppress(Exception):
-                await js.delete_consumer(stream_of(bucket), name)
+                await js.delete_consumer(kv_stream(bucket), name)

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 from artery.schemas.base import NAME_PATTERN
 from artery.shared import subjects
+from artery.shared.kv import kv_stream
 
 ROLES = ("admin", "agent", "collector", "reward", "trainer", "publisher", "inference")
 
@@ -91,10 +92,6 @@ def inbox_prefix(user: str) -> str:
     return f"_INBOX.{user}"
 
 
-def _kv_stream(bucket: str) -> str:
-    return f"KV_{bucket}"
-
-
 def _obj_stream(bucket: str) -> str:
     return f"OBJ_{bucket}"
 
@@ -103,8 +100,8 @@ def _provisioned() -> list[str]:
     """Every stream ``bus.provision`` creates, buckets included."""
     return [
         *(s.name for s in subjects.STREAMS),
-        _kv_stream(subjects.MODELS_BUCKET),
-        _kv_stream(subjects.REPLICAS_BUCKET),
+        kv_stream(subjects.MODELS_BUCKET),
+        kv_stream(subjects.REPLICAS_BUCKET),
         _obj_stream(subjects.ADAPTERS_BUCKET),
     ]
 
@@ -140,14 +137,14 @@ def _ordered(stream: str) -> list[str]:
 def _kv_read(bucket: str, keys: str = ">") -> list[str]:
     """Gets of ``keys``: the models bucket is ``allow_direct``, and a direct get names the key
     in its subject (a STREAM.MSG.GET names it in the body, where permissions cannot see it)."""
-    return [f"{JS_API}.DIRECT.GET.{_kv_stream(bucket)}.$KV.{bucket}.{keys}"]
+    return [f"{JS_API}.DIRECT.GET.{kv_stream(bucket)}.$KV.{bucket}.{keys}"]
 
 
 def _kv_scan(bucket: str, keys: str = ">") -> list[str]:
     """Reading every key that matches ``keys`` (``shared.kv.latest_values``): a consumer named and
     filtered in its subject, delivered to the user's inbox, deleted after. The delete cannot be
     scoped by name; the streams of these buckets hold no consumer but such short reads."""
-    stream = _kv_stream(bucket)
+    stream = kv_stream(bucket)
     return [
         f"{JS_API}.CONSUMER.CREATE.{stream}.*.$KV.{bucket}.{keys}",
         f"{JS_API}.CONSUMER.DELETE.{stream}.*",
