@@ -184,17 +184,12 @@ async def _status(home: str) -> int:
 
 
 async def _replicas(js) -> list:
-    import msgspec
-
-    from artery.schemas import ReplicaInfo
-    from artery.shared import subjects
-    from artery.shared.kv import latest_values
+    from artery.shared.control_client import registered_replicas
 
     try:
-        entries = await latest_values(js, subjects.REPLICAS_BUCKET, ">")
+        return await registered_replicas(js)
     except Exception:  # no bucket yet
         return []
-    return [msgspec.json.decode(value, type=ReplicaInfo) for value in entries.values()]
 
 
 def cmd_status(args: argparse.Namespace) -> int:

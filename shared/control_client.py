@@ -86,16 +86,20 @@ class PauseFailed(ArteryError):
 
 async def live_replicas(js: JetStreamContext, project: str, model: str) -> list[ReplicaInfo]:
     """Replicas of ``project``/``model`` with an unexpired heartbeat (expired keys are gone)."""
-    entries = await latest_values(js, subjects.REPLICAS_BUCKET, subjects.replica_keys(project, model))
+    found = await registered_replicas(js, subjects.replica_keys(project, model))
+    return [
+        r for r in found if (r.project, r.model) == (project, model)
+    ]  # the key says so; the value must too
+
+
+async def registered_replicas(js: JetStreamContext, keys: str = ">") -> list[ReplicaInfo]:
+    """Every readable heartbeat whose key matches ``keys``; an unreadable one is logged and skipped."""
     found: list[ReplicaInfo] = []
-    for key, value in entries.items():
+    for key, value in (await latest_values(js, subjects.REPLICAS_BUCKET, keys)).items():
         try:
-            info = _replica_decoder.decode(value)
+            found.append(_replica_decoder.decode(value))
         except InvalidMessage as exc:
             log.warning("unreadable replica entry", key=key, error=str(exc))
-            continue
-        if (info.project, info.model) == (project, model):  # the key says so; the value must too
-            found.append(info)
     return found
 
 
