@@ -32,3 +32,15 @@ def group(project: str = "demo", model: str = "agent", size: int = 4, seed: int 
         trajectories=[trajectory(reward=i / size, seed=seed * 1000 + i) for i in range(size)],
         **kw,
     )
+
+
+async def register_trainable(js, project: str, model: str, base_model: str, step: int = 0) -> None:
+    """What ``model.register()`` writes for a trainable model: its record in the models bucket."""
+    import msgspec
+
+    from artery.schemas import ModelRecord
+    from artery.shared import subjects
+
+    record = ModelRecord(project=project, name=model, base_model=base_model, trainable=True, step=step)
+    kv = await js.key_value(subjects.MODELS_BUCKET)
+    await kv.put(subjects.model_key(project, model), msgspec.json.encode(record))

@@ -18,6 +18,7 @@ from artery.services.trainer.settings import TrainerSettings
 from artery.services.trainer.store import record_step
 from artery.shared import subjects
 from loadtests import chaos
+from tests.factories import register_trainable
 
 
 @pytest.mark.slow
@@ -69,10 +70,9 @@ async def test_a_redelivered_request_already_recorded_advances_the_registry(
     """A trainer killed after recording its step but before advancing the registry: the
     redelivered request is answered from the record and the registry catches up."""
     project, model = "chaos", "agent"
+    await register_trainable(js, project, model, "artery/tiny-random", step=2)
     kv = await js.key_value(subjects.MODELS_BUCKET)
     key = subjects.model_key(project, model)
-    record = ModelRecord(project=project, name=model, base_model="artery/tiny-random", trainable=True, step=2)
-    await kv.put(key, msgspec.json.encode(record))
     request = TrainRequested(id=new_event_id(), project=project, model=model, group_ids=[new_event_id()])
     await record_step(
         db,

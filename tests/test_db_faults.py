@@ -40,6 +40,7 @@ from artery.shared.bus import publish_event
 from artery.shared.db import init_connection
 from artery.shared.embedded import PostgresServer
 from artery.testing.judge import serve_scripted_judge
+from tests.factories import register_trainable
 from tests.test_collector import wait_for
 from tests.test_publisher import messages_on, saved_event, settled, write_adapter
 from tests.test_reward_service import by_content, ruler_group
@@ -327,9 +328,8 @@ async def test_trainer_waits_out_postgres_and_trains_each_request_once(
     monkeypatch.setattr(Policy, "train_step", counting_train_step)
     monkeypatch.setattr(checkpoints, "save_step", save_then_maybe_lose_postgres)
 
+    await register_trainable(js, PROJECT, MODEL, TINY)
     kv = await js.key_value(subjects.MODELS_BUCKET)
-    record = ModelRecord(project=PROJECT, name=MODEL, base_model=TINY, trainable=True)
-    await kv.put(subjects.model_key(PROJECT, MODEL), msgspec.json.encode(record))
     groups = [text_group(seed) for seed in range(6)]
     await write_groups(db, [StoredGroup.of(g, None) for g in groups])
     await db.close()
@@ -434,9 +434,7 @@ async def test_a_step_recorded_after_a_later_request_trained_is_not_trained_agai
 
     monkeypatch.setattr(Policy, "train_step", counting_train_step)
     monkeypatch.setattr(trainer_service, "record_step", record_step_losing_the_first)
-    kv = await js.key_value(subjects.MODELS_BUCKET)
-    record = ModelRecord(project=PROJECT, name=MODEL, base_model=TINY, trainable=True)
-    await kv.put(subjects.model_key(PROJECT, MODEL), msgspec.json.encode(record))
+    await register_trainable(js, PROJECT, MODEL, TINY)
     groups = [text_group(seed) for seed in range(4)]
     await write_groups(db, [StoredGroup.of(g, None) for g in groups])
     a = TrainRequested(id=new_event_id(), project=PROJECT, model=MODEL, group_ids=[g.id for g in groups[:2]])

@@ -29,7 +29,6 @@ from nats.errors import MaxPayloadError, NoRespondersError
 
 from artery.schemas import (
     DeadLetter,
-    ModelRecord,
     PauseAck,
     ResumeAck,
     RetentionApplied,
@@ -49,7 +48,7 @@ from artery.shared.bus import CONTENT_TYPE, MSG_ID
 from artery.shared.codec import JSON, MSGPACK, EventDecoder, encode
 from artery.shared.errors import InvalidMessage
 from tests import strategies as fz
-from tests.factories import group
+from tests.factories import group, register_trainable
 from tests.test_collector import wait_for
 from tests.test_inference_api import FakeEngine
 
@@ -233,9 +232,7 @@ async def test_trainer_dead_letters_every_hostile_request_and_keeps_answering(nc
     hostile: list[fz.Hostile] = fz.collect(fz.hostile_train_requests(), 250, at=20260102)
     # A registered, trainable model: well-formed requests for it are answered (train.failed, as
     # their groups never arrive), which is the good traffic here; no model is ever loaded.
-    kv = await js.key_value(subjects.MODELS_BUCKET)
-    record = ModelRecord(project=fz.PROJECT, name=fz.MODEL, base_model="none/none", trainable=True)
-    await kv.put(subjects.model_key(fz.PROJECT, fz.MODEL), msgspec.json.encode(record))
+    await register_trainable(js, fz.PROJECT, fz.MODEL, "none/none")
     trainer = Trainer(
         nc, database_url, TrainerSettings(checkpoint_dir=str(tmp_path / "ckpt"), group_wait_s=0.1)
     )
@@ -497,9 +494,7 @@ async def test_trainer_rejects_a_request_for_another_model_than_its_subject(nc, 
     from artery.services.trainer.service import Trainer
     from artery.services.trainer.settings import TrainerSettings
 
-    kv = await js.key_value(subjects.MODELS_BUCKET)
-    record = ModelRecord(project=fz.PROJECT, name=fz.MODEL, base_model="none/none", trainable=True)
-    await kv.put(subjects.model_key(fz.PROJECT, fz.MODEL), msgspec.json.encode(record))
+    await register_trainable(js, fz.PROJECT, fz.MODEL, "none/none")
     trainer = Trainer(
         nc, database_url, TrainerSettings(checkpoint_dir=str(tmp_path / "ckpt"), group_wait_s=0.1)
     )

@@ -8,13 +8,14 @@ import asyncio
 
 import msgspec
 
-from artery.schemas import DeadLetter, ModelRecord, ReplicaInfo, TrainCompleted, TrainRequested, new_event_id
+from artery.schemas import DeadLetter, ReplicaInfo, TrainCompleted, TrainRequested, new_event_id
 from artery.services.collector.store import StoredGroup, write_groups
 from artery.services.trainer.service import Trainer
 from artery.services.trainer.settings import TrainerSettings
 from artery.shared import subjects
 from artery.shared.bus import publish_event
 from artery.shared.models import TINY
+from tests.factories import register_trainable
 from tests.test_db_faults import MODEL, PROJECT, text_group
 from tests.test_reward_service import read_stream
 
@@ -22,9 +23,7 @@ from tests.test_reward_service import read_stream
 async def test_a_dead_registered_replica_delays_training_without_dead_lettering(
     js, nc, db, database_url, tmp_path
 ):
-    kv = await js.key_value(subjects.MODELS_BUCKET)
-    record = ModelRecord(project=PROJECT, name=MODEL, base_model=TINY, trainable=True)
-    await kv.put(subjects.model_key(PROJECT, MODEL), msgspec.json.encode(record))
+    await register_trainable(js, PROJECT, MODEL, TINY)
     replicas = await js.key_value(subjects.REPLICAS_BUCKET)
     ghost = ReplicaInfo(
         replica_id="ghost", project=PROJECT, model=MODEL, engine="transformers", url="http://x"
