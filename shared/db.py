@@ -97,6 +97,28 @@ async def create_pool(dsn: str, *, min_size: int = 1, max_size: int = 4) -> asyn
     )
 
 
+#: A connection in a state asyncpg cannot recover from (its protocol saw a connection cut
+#: mid-operation): dropped from the pool, and the work retried like an outage.
+_CONNECTION_LOST = (*DATABASE_UNAVAILABLE, asyncpg.exceptions.InternalClientError)
+
+
+def _drop(conn: asyncpg.Connection, *, only_in_transaction: bool = False) -> None:
+    """Terminate ``conn`` so the pool opens a fresh one, unless asyncpg already took it back (a
+    connection the server closed is released by asyncpg itself)."""
+    with contextlib.suppress(asyncpg.exceptions.InterfaceError):
+        if not only_in_transaction or conn.is_in_transaction():
+            conn.terminate()
+
+
+async def _release(pool: asyncpg.Pool, conn: asyncpg.Connection) -> bool:
+    """Hand ``conn`` back; False when its reset failed (asyncpg has terminated it then)."""
+    try:
+        await pool.release(conn)
+        return True
+    except Exception:
+        return False
+
+
 #: Errors of a PostgreSQL that is there but overloaded: retried like an outage, not blamed on
 #: the message being handled.
 _BUSY = frozenset({"TooManyConnectionsError", "QueryCanceledError"})
@@ -122,16 +144,33 @@ class ServicePool:
 
     @contextlib.asynccontextmanager
     async def connection(self) -> AsyncIterator[asyncpg.Connection]:
+        """A connection of the pool for one unit of work, never shared with another coroutine.
+
+        A connection that broke during the work (PostgreSQL stopped mid-transaction) is terminated
+        rather than handed back: asyncpg's reset of such a connection is what raised
+        ``InternalClientError: cannot switch to state ...; another operation is in progress``."""
         try:
             pool = await self.open()
-            async with pool.acquire() as conn:
-                yield conn
-        except DATABASE_UNAVAILABLE as exc:
+            conn = await pool.acquire()
+        except _CONNECTION_LOST as exc:
+            raise DependencyUnavailable(f"PostgreSQL unavailable: {exc!r}") from exc
+        released = False
+        try:
+            yield conn
+        except _CONNECTION_LOST as exc:
+            _drop(conn)
             raise DependencyUnavailable(f"PostgreSQL unavailable: {exc!r}") from exc
         except asyncpg.exceptions.PostgresError as exc:
             if type(exc).__name__ in _BUSY:
                 raise DependencyUnavailable(f"PostgreSQL busy: {exc!r}") from exc
             raise
+        except BaseException:
+            _drop(conn, only_in_transaction=True)  # cancelled mid-transaction: nothing to salvage
+            raise
+        finally:
+            released = await _release(pool, conn)
+        if not released:
+            log.warning("a PostgreSQL connection broke after its work was done; it was dropped")
 
     async def close(self) -> None:
         if self.pool is not None:
