@@ -44,6 +44,9 @@ EVENT_HEADER = "Artery-Event"
 #: JetStream de-duplicates re-publishes of the same ``Nats-Msg-Id`` within this window.
 DUPLICATE_WINDOW_S = 120.0
 REPLICA_TTL_S = 30.0
+#: How long a judge's verdict is kept in its bucket: far longer than any PostgreSQL outage or
+#: redelivery, after which the row in PostgreSQL is the record.
+VERDICT_TTL_S = 7 * 24 * 3600.0
 
 
 async def connect(settings: CommonSettings, name: str, **options) -> nats.NATS:
@@ -117,6 +120,16 @@ async def provision(js: JetStreamContext, settings: CommonSettings) -> None:
             history=1,
             ttl=REPLICA_TTL_S,
             replicas=settings.stream_replicas,
+        ),
+    )
+    await _ensure_kv(
+        js,
+        KeyValueConfig(
+            bucket=subjects.VERDICTS_BUCKET,
+            history=1,
+            ttl=VERDICT_TTL_S,
+            replicas=settings.stream_replicas,
+            direct=True,  # gets name the key in the subject, like the models bucket
         ),
     )
     try:

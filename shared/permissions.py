@@ -102,6 +102,7 @@ def _provisioned() -> list[str]:
         *(s.name for s in subjects.STREAMS),
         kv_stream(subjects.MODELS_BUCKET),
         kv_stream(subjects.REPLICAS_BUCKET),
+        kv_stream(subjects.VERDICTS_BUCKET),
         _obj_stream(subjects.ADAPTERS_BUCKET),
     ]
 
@@ -227,7 +228,8 @@ def permissions(role: str, user: str, *, project: str | None = None) -> Permissi
     if role == "collector":
         publish += [subjects.group_ready("*", "*")]
     elif role == "reward":
-        publish += [subjects.group_scored("*", "*")]
+        verdicts = subjects.VERDICTS_BUCKET
+        publish += [subjects.group_scored("*", "*"), *_kv_read(verdicts), *_kv_write(verdicts)]
     elif role == "trainer":
         publish += [
             subjects.train("completed", "*", "*"),

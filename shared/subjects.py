@@ -42,6 +42,9 @@ REWARD_CONSUMER = "reward"
 MODELS_BUCKET = "artery_models"  # key <project>.<model>: registration and current step
 REPLICAS_BUCKET = "artery_replicas"  # key <project>.<model>.<replica id>: heartbeat (entries expire)
 ADAPTERS_BUCKET = "artery_adapters"  # object store: LoRA adapters
+#: key <project>.<model>.<digest of the group id>: a judge's verdict, kept from the moment it is paid
+#: for until PostgreSQL has it (services.reward.verdicts)
+VERDICTS_BUCKET = "artery_verdicts"
 
 
 def trajectories(project: str, model: str) -> str:

@@ -5,8 +5,9 @@ final rewards and are acknowledged untouched. For each group to score:
 1. a stored verdict (scores, or the error that stopped them) means the work is done: a
    redelivery or a second replica goes straight to step 3 and never pays for the judge twice;
 2. the judge (RULER through litellm) ranks the group's trajectories against each other; its
-   answer is retried when malformed, then the failure itself is stored as the verdict (a verdict
-   PostgreSQL is down for is kept in memory until the redelivery stores it: one judge call);
+   answer is retried when malformed, then the failure itself is the verdict. The verdict goes into
+   a KV bucket first (``verdicts``), then into PostgreSQL: a PostgreSQL outage, a redelivery or a
+   SIGKILL in between finds it there, so each group is paid for once;
 3. scores: ``group.scored`` is published (its id derived from the group id, so JetStream drops a
    repeat), then the message is acked. An error: the message is dead-lettered with the reason.
 
@@ -33,6 +34,7 @@ from artery.rewards.ruler import DEFAULT_RUBRIC, RulerError, ruler_judgement
 from artery.schemas import GroupReady, GroupScored, JudgeUsage, Trajectory, TrajectoryScore
 from artery.services.reward.settings import RewardSettings
 from artery.services.reward.store import GroupToScore, Verdict, load_group, record_verdict, stored_verdict
+from artery.services.reward.verdicts import JudgedGroup, VerdictOutbox
 from artery.shared import subjects
 from artery.shared.bus import CONTENT_TYPE, publish_event
 from artery.shared.codec import EventDecoder
@@ -80,8 +82,10 @@ class RewardService(ConsumingService):
         self.db = ServicePool(dsn, max_size=settings.db_pool_size)
         self._tracer = tracer(SERVICE)
         self._judging = asyncio.Semaphore(settings.concurrency)
-        #: Verdicts the judge gave that PostgreSQL was not there to store (group id -> verdict, rubric).
-        self._unrecorded: dict[str, tuple[Verdict, str | None]] = {}
+        self.verdicts = VerdictOutbox(self.js)
+        #: Verdicts given but not yet in PostgreSQL (group id -> verdict): a second copy, for when
+        #: NATS could not take one into the outbox either.
+        self._unrecorded: dict[str, JudgedGroup] = {}
         #: Per group being scored: its lock and how many deliveries hold or wait for it (``score``).
         self._group_locks: dict[str, list] = {}
         self.judge_available = importlib.util.find_spec("litellm") is not None
@@ -121,7 +125,7 @@ class RewardService(ConsumingService):
             ):
                 await self.score(ready, msg)
             return None
-        except (InvalidMessage, DependencyUnavailable) as exc:
+        except Exception as exc:  # this group's outcome alone: the others of the batch stand
             return exc
 
     async def score(self, ready: GroupReady, msg: Msg | None = None) -> GroupScored:
@@ -143,30 +147,8 @@ class RewardService(ConsumingService):
     async def _score(self, ready: GroupReady, msg: Msg | None) -> GroupScored:
         verdict = await self._db(stored_verdict, ready.group_id)
         if verdict is None:
-            judged = self._unrecorded.get(ready.group_id)
-            if judged is None:
-                group = await self._db(load_group, ready.group_id)
-                if group is None:
-                    raise InvalidMessage(
-                        "unknown_group",
-                        f"group {ready.group_id} has no stored trajectories",
-                        original_id=ready.id,
-                    )
-                async with self._judging:
-                    if msg is not None:
-                        await msg.in_progress()  # judges are slow: do not redeliver meanwhile
-                    judged = (
-                        await self._judge(group),
-                        group.spec.ruler.rubric if group.spec and group.spec.ruler else None,
-                    )
-            try:
-                verdict = await self._db(record_verdict, ready.group_id, *judged)
-            except DependencyUnavailable:
-                # PostgreSQL went away after the judge answered: keep the answer for the
-                # redelivery, so an outage never pays for the judge twice.
-                self._unrecorded[ready.group_id] = judged
-                raise
-            self._unrecorded.pop(ready.group_id, None)
+            judged = await self._judged(ready, msg)
+            verdict = await self._db(record_verdict, ready.group_id, judged.verdict, judged.rubric)
             log.info(
                 "group scored" if verdict.error is None else "group could not be scored",
                 group_id=ready.group_id,
@@ -175,8 +157,7 @@ class RewardService(ConsumingService):
                 cost_usd=verdict.cost_usd,
                 error=verdict.error,
             )
-        else:
-            self._unrecorded.pop(ready.group_id, None)  # another replica stored one meanwhile
+        self._unrecorded.pop(ready.group_id, None)  # PostgreSQL has it now (maybe from another replica)
         if verdict.error is not None:
             raise InvalidMessage("ruler", verdict.error, original_id=ready.id)
         scored = scored_event(ready, verdict)
@@ -185,6 +166,34 @@ class RewardService(ConsumingService):
         except Exception as exc:  # the verdict is stored; the redelivery announces it again
             raise DependencyUnavailable(f"publishing group.scored failed: {exc!r}") from exc
         return scored
+
+    async def _judged(self, ready: GroupReady, msg: Msg | None) -> JudgedGroup:
+        """The group's verdict: the one already paid for (kept in the outbox, or in memory while
+        NATS could not take it), else the judge's, put in the outbox before anything can fail."""
+        judged = self._unrecorded.get(ready.group_id)
+        if judged is None:
+            judged = await self._outbox(self.verdicts.get, ready.project, ready.model, ready.group_id)
+        if judged is not None:
+            return judged
+        group = await self._db(load_group, ready.group_id)
+        if group is None:
+            raise InvalidMessage(
+                "unknown_group", f"group {ready.group_id} has no stored trajectories", original_id=ready.id
+            )
+        async with self._judging:
+            if msg is not None:
+                await msg.in_progress()  # judges are slow: do not redeliver meanwhile
+            verdict = await self._judge(group)
+        judged = JudgedGroup(verdict, group.spec.ruler.rubric if group.spec and group.spec.ruler else None)
+        self._unrecorded[ready.group_id] = judged  # until the outbox or PostgreSQL has it
+        await self._outbox(self.verdicts.put, ready.project, ready.model, ready.group_id, judged)
+        return judged
+
+    async def _outbox(self, operation, *args):
+        try:
+            return await operation(*args)
+        except Exception as exc:
+            raise DependencyUnavailable(f"verdict outbox unavailable: {exc!r}") from exc
 
     async def _judge(self, group: GroupToScore) -> Verdict:
         ruler = group.spec.ruler if group.spec else None
