@@ -109,9 +109,12 @@ class Stack:
     #: Per-service NATS users (embedded NATS only); ``projects`` get an ``agent-<project>`` user.
     secure: bool = False
     projects: tuple[str, ...] = ()
+    #: The URLs given (None: embedded), restored when a failed start stops its servers.
+    _given_urls: tuple[str | None, str | None] = field(default=(None, None), init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.home = Path(self.home).resolve()
+        self._given_urls = (self.nats_url, self.database_url)
         self.projects = tuple(dict.fromkeys(self.projects))
         if self.secure and self.nats_url is not None:
             raise ValueError("secure=True generates the users of the embedded NATS: give no nats_url")
@@ -158,9 +161,26 @@ class Stack:
         return {"ARTERY_NATS_URL": self.nats_url or "", **self._credentials(f"agent-{project}")}
 
     def start_infrastructure(self) -> None:
-        """NATS and PostgreSQL, unless URLs of running ones were given."""
+        """NATS and PostgreSQL, unless URLs of running ones were given; if one fails, neither runs."""
         self.home.mkdir(parents=True, exist_ok=True)
         self.logs.mkdir(exist_ok=True)
+        try:
+            self._start_servers()
+        except BaseException:
+            self._undo_start()
+            raise
+        (self.home / "stack.json").write_text(
+            json.dumps(
+                {
+                    "nats_url": self.nats_url,
+                    "database_url": self.database_url,
+                    "pid": os.getpid(),
+                    **({"secrets": str(self.secrets)} if self.secure else {}),
+                }
+            )
+        )
+
+    def _start_servers(self) -> None:
         if self.nats_url is None:
             extra_config = ""
             if self.secure:
@@ -182,16 +202,13 @@ class Stack:
             ).start()
             _create_database(self.postgres, DATABASE)
             self.database_url = self.postgres.dsn(DATABASE)
-        (self.home / "stack.json").write_text(
-            json.dumps(
-                {
-                    "nats_url": self.nats_url,
-                    "database_url": self.database_url,
-                    "pid": os.getpid(),
-                    **({"secrets": str(self.secrets)} if self.secure else {}),
-                }
-            )
-        )
+
+    def _undo_start(self) -> None:
+        """After a failed start: stop whatever it started (the servers outlive us otherwise), and
+        forget the embedded servers' URLs, so that another start starts them again."""
+        self.stop()
+        self.nats_url, self.database_url = self._given_urls
+        self.nats = self.postgres = None
 
     def _provision(self) -> None:
         """Streams and buckets, created as ``admin``: services may only check that they exist."""
@@ -271,8 +288,13 @@ class Stack:
         process.start()
 
     def start(self) -> Stack:
+        """Servers, then services until ready; if any of it fails, what had started is stopped."""
         self.start_infrastructure()
-        self.start_services()
+        try:
+            self.start_services()
+        except BaseException:
+            self._undo_start()
+            raise
         return self
 
     def stop(self) -> None:

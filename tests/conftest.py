@@ -1,12 +1,22 @@
 """Real servers for the tests: a private nats-server per test and one PostgreSQL per session
-(a fresh database per test), each on a free port under a temporary directory."""
+(a fresh database per test), each on a free port under a temporary directory.
+
+Servers and services run in sessions of their own, so nothing stops them when the suite ends but
+the suite itself. Every process it starts inherits ``ARTERY_PROCESS_TAG``; one that still carries
+the tag once the suite is over was leaked: it is named, killed, and the run fails.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import os
+import shutil
+import signal
+import tempfile
+import time
 import uuid
+from pathlib import Path
 
 import asyncpg
 import pytest
@@ -21,6 +31,85 @@ from artery.stack import Stack
 
 # litellm would fetch its price map from the internet at import time.
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+
+PROCESS_TAG = "ARTERY_PROCESS_TAG"
+#: A process may still be on its way out when the suite ends (a killed postmaster's backends).
+LEFTOVER_GRACE_S = 2.0
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's tmp_path plugin reads the option
+def pytest_configure(config):
+    """Temporary directories under a base of this run's own, not pytest's shared default.
+
+    pytest takes group and other permissions away from ``/tmp/pytest-of-<user>`` at the start of
+    every session. Run as root, PostgreSQL runs as another user that must traverse the path to its
+    data directory (``embedded._open_prefix``): a second pytest session starting on the machine
+    (CI's neighbour, ``make test-stress --load suite``) used to lock it out of a running cluster,
+    which then died (``PANIC: could not open file ".../pg_control": Permission denied``)."""
+    if config.option.basetemp is None and not hasattr(config, "workerinput"):
+        config.option.basetemp = tempfile.mkdtemp(prefix="artery-tests-")
+        config.artery_own_basetemp = True
+
+
+def pytest_sessionstart(session):
+    os.environ[PROCESS_TAG] = uuid.uuid4().hex
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's runner has torn down the session fixtures
+def pytest_sessionfinish(session):
+    tag = os.environ.get(PROCESS_TAG)
+    if tag is None:
+        return
+    leftovers = tagged_processes(tag)
+    try:
+        report_leftovers(session, tag, leftovers)
+    finally:
+        remove_own_basetemp(session)
+
+
+def remove_own_basetemp(session) -> None:
+    """Our base directory goes once the run passed; after a failure it stays, logs and all."""
+    if getattr(session.config, "artery_own_basetemp", False) and session.exitstatus == pytest.ExitCode.OK:
+        shutil.rmtree(session.config.option.basetemp, ignore_errors=True)
+
+
+def report_leftovers(session, tag: str, leftovers: dict[int, str]) -> None:
+    deadline = time.monotonic() + LEFTOVER_GRACE_S
+    while leftovers and time.monotonic() < deadline:
+        time.sleep(0.1)
+        leftovers = tagged_processes(tag)
+    if not leftovers:
+        return
+    lines = [f"{len(leftovers)} process(es) started by the tests outlived them, now killed:"]
+    for pid, cmdline in leftovers.items():
+        lines.append(f"  pid {pid}: {cmdline}")
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None:
+        print("\n".join(lines))
+    else:
+        reporter.write_line("")  # ends the progress line
+        for line in lines:
+            reporter.write_line(line, red=True)
+    if session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def tagged_processes(tag: str) -> dict[int, str]:
+    """pid -> command line of every other process whose environment carries ``tag``."""
+    needle = f"{PROCESS_TAG}={tag}".encode()
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+                found[int(entry.name)] = cmdline.decode(errors="replace").strip()
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return found
 
 
 @pytest.fixture(scope="session")
