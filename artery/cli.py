@@ -243,6 +243,7 @@ def cmd_config(_: argparse.Namespace) -> int:
 
 def cmd_nats_config(args: argparse.Namespace) -> int:
     """Print nats-server users with each role's permissions, generated from ``shared.subjects``."""
+    from artery.shared.embedded import write_private
     from artery.shared.permissions import default_users, render_authorization
 
     secrets_dir = Path(args.secrets_dir) if args.secrets_dir else None
@@ -255,13 +256,13 @@ def cmd_nats_config(args: argparse.Namespace) -> int:
         secrets_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         for user in users:  # one file per user, for ARTERY_NATS_PASSWORD_FILE (docker secrets)
             path = _password_file(secrets_dir, user.name)
-            _write_private(path, user.password + "\n")
+            write_private(path, user.password + "\n")
             if args.owner:  # written by root for services that run as another user (compose)
                 uid, _, gid = args.owner.partition(":")
                 os.chown(path, int(uid), int(gid or uid))
-    authorization = render_authorization(users)
+    authorization = render_authorization(users)  # hashes only: printing it reveals no password
     if args.output:
-        _write_private(Path(args.output), authorization)  # it holds every password
+        write_private(Path(args.output), authorization)  # owner-only all the same: nobody else needs hashes
     else:
         print(authorization, end="")
     return 0
@@ -284,15 +285,6 @@ def _existing_passwords(secrets_dir: Path) -> dict[str, str]:
             if path.is_file() and (password := path.read_text().strip()):
                 found[entry.name] = password
     return found
-
-
-def _write_private(path: Path, text: str) -> None:
-    """Write ``text`` readable by its owner only, replacing the file in one step."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -686,7 +686,7 @@ async def test_role_passwords_are_never_set_by_migrations(db):
 def test_rendered_config_is_what_nats_server_reads(tmp_path):
     users = default_users([PROJECT], password=lambda: "pw")
     text = render_authorization(users)
-    assert 'user: "agent-alpha", password: "pw"' in text
+    assert 'user: "agent-alpha", password: "$2a$' in text and '"pw"' not in text  # a bcrypt hash
     assert '"artery.traj.alpha.>"' in text and "allow_responses: true" in text
     config = tmp_path / "nats.conf"
     config.write_text(text)
