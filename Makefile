@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo prepare-model test lint format schemas bench chaos soak clean
+.PHONY: setup demo prepare-model test test-stress lint format schemas bench chaos soak clean
 
 setup: $(STAMP)
 
@@ -44,7 +44,13 @@ schemas: setup
 
 test: setup lint prepare-model
 	$(PY) -m artery.schemas.generate --check
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
+
+# The flake hunt: the whole suite STRESS_RUNS times while busy processes compete for every core;
+# prints the failures per test (STRESS_ARGS, e.g. "--load suite" or "-- tests/test_db_faults.py").
+STRESS_RUNS ?= 3
+test-stress: setup prepare-model
+	$(PY) -m loadtests.stress --runs $(STRESS_RUNS) $(STRESS_ARGS)
 
 bench: setup prepare-model  # trainer_memory measures SmolLM2
 	$(PY) -m loadtests
