@@ -106,32 +106,8 @@ async def provision(js: JetStreamContext, settings: CommonSettings) -> None:
             await js.add_stream(config)
         except BadRequestError:  # exists with another config: update what may be updated
             await js.update_stream(config)
-    await _ensure_kv(
-        js,
-        # Direct gets name the key in the subject: reads can be granted per project.
-        KeyValueConfig(
-            bucket=subjects.MODELS_BUCKET, history=5, replicas=settings.stream_replicas, direct=True
-        ),
-    )
-    await _ensure_kv(
-        js,
-        KeyValueConfig(
-            bucket=subjects.REPLICAS_BUCKET,
-            history=1,
-            ttl=REPLICA_TTL_S,
-            replicas=settings.stream_replicas,
-        ),
-    )
-    await _ensure_kv(
-        js,
-        KeyValueConfig(
-            bucket=subjects.VERDICTS_BUCKET,
-            history=1,
-            ttl=VERDICT_TTL_S,
-            replicas=settings.stream_replicas,
-            direct=True,  # gets name the key in the subject, like the models bucket
-        ),
-    )
+    for bucket in kv_buckets(settings):
+        await _ensure_kv(js, bucket)
     try:
         await js.object_store(subjects.ADAPTERS_BUCKET)
     except (NotFoundError, Exception):
@@ -139,6 +115,19 @@ async def provision(js: JetStreamContext, settings: CommonSettings) -> None:
             subjects.ADAPTERS_BUCKET,
             ObjectStoreConfig(storage=StorageType.FILE, replicas=settings.stream_replicas),
         )
+
+
+def kv_buckets(settings: CommonSettings) -> list[KeyValueConfig]:
+    """Every KV bucket. Direct gets name the key in the subject, so reads of the models and
+    verdicts buckets can be granted per key prefix (``shared.permissions``)."""
+    replicas = settings.stream_replicas
+    return [
+        KeyValueConfig(bucket=subjects.MODELS_BUCKET, history=5, replicas=replicas, direct=True),
+        KeyValueConfig(bucket=subjects.REPLICAS_BUCKET, history=1, ttl=REPLICA_TTL_S, replicas=replicas),
+        KeyValueConfig(
+            bucket=subjects.VERDICTS_BUCKET, history=1, ttl=VERDICT_TTL_S, replicas=replicas, direct=True
+        ),
+    ]
 
 
 async def _ensure_kv(js: JetStreamContext, config: KeyValueConfig) -> None:

@@ -53,7 +53,7 @@ async def test_a_dead_registered_replica_delays_training_without_dead_lettering(
                 break
             await asyncio.sleep(0.1)
         assert trainer.consumer.stats.retried >= 3
-        await replicas.delete("ghost")  # its heartbeat expires
+        await replicas.delete(subjects.replica_key(PROJECT, MODEL, "ghost"))  # it deregisters
         [completed] = await read_stream(
             js, subjects.train("completed", PROJECT, MODEL), TrainCompleted, 60, 1
         )
