@@ -44,6 +44,8 @@ async def test_group_published_twice_is_stored_once(js, db, run_collector):
 
 async def test_collector_killed_mid_batch_stores_everything_exactly_once(js, db, stack):
     stack.extra_env["ARTERY_COLLECTOR_BATCH_SIZE"] = "50"
+    # The killed process's unacked batch comes back after ack_wait: seconds, not the default 30.
+    stack.extra_env["ARTERY_COLLECTOR_ACK_WAIT_S"] = "3"
     stack.start_service("collector")
     groups = [group(size=4, seed=i) for i in range(1500)]
     await publish_events(js, [(SUBJECT, g) for g in groups])
