@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -99,11 +100,18 @@ def test_a_service_still_waiting_for_nats_stops_on_sigterm():
     }
     service = subprocess.Popen(
         [sys.executable, "-m", "artery.services.collector"],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        env={**env, "ARTERY_LOG_FORMAT": "json"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
     )
-    time.sleep(3)
+    # Its first failed connect attempt: started (SIGTERM handled from here on), and waiting for NATS.
+    for line in service.stdout:
+        if b'"event": "nats error"' in line:
+            break
+    else:
+        raise AssertionError(f"the service exited with {service.wait()} before trying NATS")
+    # What it logs from here on is drained, so a full pipe never blocks it.
+    threading.Thread(target=service.stdout.read, daemon=True).start()
     started = time.monotonic()
     service.send_signal(signal.SIGTERM)
     assert service.wait(timeout=30) == 0
