@@ -186,7 +186,7 @@ class Stack:
             if self.secure:
                 from artery.shared.permissions import render_authorization
 
-                # The server's configuration holds every password: readable by us only.
+                # The server's configuration holds the users' password hashes: readable by us only.
                 (self.home / "nats").mkdir(mode=0o700, exist_ok=True)
                 (self.home / "nats").chmod(0o700)
                 extra_config = render_authorization(self._users())

@@ -124,7 +124,7 @@ def summary(results: list[RunResult], workdir: Path) -> tuple[str, bool]:
         lines.append(f"failures per test over {len(results)} runs:")
         lines += [f"  {n}/{len(results)}  {test}" for test, n in per_test.most_common()]
     failures = sum(per_test.values())
-    lines.append(f"{failures} failures over {len(results)} runs" + (" (logs in " + str(workdir) + ")"))
+    lines.append(f"{failures} failures over {len(results)} runs (logs in {workdir})")
     return "\n".join(lines), bool(per_test or odd_exits)
 
 

@@ -154,7 +154,6 @@ class ServicePool:
             conn = await pool.acquire()
         except _CONNECTION_LOST as exc:
             raise DependencyUnavailable(f"PostgreSQL unavailable: {exc!r}") from exc
-        released = False
         try:
             yield conn
         except _CONNECTION_LOST as exc:
@@ -168,9 +167,8 @@ class ServicePool:
             _drop(conn, only_in_transaction=True)  # cancelled mid-transaction: nothing to salvage
             raise
         finally:
-            released = await _release(pool, conn)
-        if not released:
-            log.warning("a PostgreSQL connection broke after its work was done; it was dropped")
+            if not await _release(pool, conn):
+                log.warning("a PostgreSQL connection could not be reset after its work; it was dropped")
 
     async def close(self) -> None:
         if self.pool is not None:

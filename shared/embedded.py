@@ -64,6 +64,10 @@ def log_tail(path: Path, offset: int = 0, lines: int = LOG_TAIL_LINES) -> str:
             text = f.read().decode(errors="replace")
     except OSError:
         return ""
+    return last_lines(text, lines)
+
+
+def last_lines(text: str, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
@@ -87,11 +91,9 @@ def wait_for_port(port: int, timeout: float, proc: subprocess.Popen, what: str) 
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"{what} exited with code {proc.returncode} before accepting connections")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.02)
+        if _accepts_connections(port):
+            return
+        time.sleep(0.02)
     raise TimeoutError(f"{what} did not accept connections on port {port} within {timeout}s")
 
 
@@ -364,7 +366,7 @@ class PostgresServer:
             group=self.gid,
         )
         if initdb.returncode != 0:
-            said = "\n".join((initdb.stdout + initdb.stderr).splitlines()[-LOG_TAIL_LINES:])
+            said = last_lines(initdb.stdout + initdb.stderr)
             raise RuntimeError(f"initdb exited with code {initdb.returncode}:\n{said}")
 
     def start(self) -> PostgresServer:

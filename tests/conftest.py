@@ -60,9 +60,8 @@ def pytest_sessionfinish(session):
     tag = os.environ.get(PROCESS_TAG)
     if tag is None:
         return
-    leftovers = tagged_processes(tag)
     try:
-        report_leftovers(session, tag, leftovers)
+        report_leftovers(session, tag)
     finally:
         remove_own_basetemp(session)
 
@@ -73,7 +72,10 @@ def remove_own_basetemp(session) -> None:
         shutil.rmtree(session.config.option.basetemp, ignore_errors=True)
 
 
-def report_leftovers(session, tag: str, leftovers: dict[int, str]) -> None:
+def report_leftovers(session, tag: str) -> None:
+    """Kill what still carries ``tag`` (after a grace for processes on their way out), say so,
+    and fail the run."""
+    leftovers = tagged_processes(tag)
     deadline = time.monotonic() + LEFTOVER_GRACE_S
     while leftovers and time.monotonic() < deadline:
         time.sleep(0.1)

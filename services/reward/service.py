@@ -172,7 +172,7 @@ class RewardService(ConsumingService):
         NATS could not take it), else the judge's, put in the outbox before anything can fail."""
         judged = self._unrecorded.get(ready.group_id)
         if judged is None:
-            judged = await self._outbox(self.verdicts.get, ready.project, ready.model, ready.group_id)
+            judged = await self.verdicts.get(ready.project, ready.model, ready.group_id)
         if judged is not None:
             return judged
         group = await self._db(load_group, ready.group_id)
@@ -185,15 +185,9 @@ class RewardService(ConsumingService):
                 await msg.in_progress()  # judges are slow: do not redeliver meanwhile
             verdict = await self._judge(group)
         judged = JudgedGroup(verdict, group.spec.ruler.rubric if group.spec and group.spec.ruler else None)
-        self._unrecorded[ready.group_id] = judged  # until the outbox or PostgreSQL has it
-        await self._outbox(self.verdicts.put, ready.project, ready.model, ready.group_id, judged)
+        self._unrecorded[ready.group_id] = judged  # until PostgreSQL has it
+        await self.verdicts.put(ready.project, ready.model, ready.group_id, judged)
         return judged
-
-    async def _outbox(self, operation, *args):
-        try:
-            return await operation(*args)
-        except Exception as exc:
-            raise DependencyUnavailable(f"verdict outbox unavailable: {exc!r}") from exc
 
     async def _judge(self, group: GroupToScore) -> Verdict:
         ruler = group.spec.ruler if group.spec else None

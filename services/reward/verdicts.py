@@ -23,6 +23,7 @@ from nats.js.kv import KeyValue
 
 from artery.services.reward.store import Verdict
 from artery.shared import subjects
+from artery.shared.errors import DependencyUnavailable
 
 
 class JudgedGroup(msgspec.Struct, frozen=True):
@@ -42,7 +43,8 @@ def verdict_key(project: str, model: str, group_id: str) -> str:
 
 
 class VerdictOutbox:
-    """The reward service's KV bucket of verdicts, opened at first use."""
+    """The reward service's KV bucket of verdicts, opened at first use. NATS failing to answer is
+    ``DependencyUnavailable`` (retried later), as PostgreSQL's is in ``ServicePool``."""
 
     def __init__(self, js: JetStreamContext):
         self.js = js
@@ -58,7 +60,12 @@ class VerdictOutbox:
             entry = await (await self._bucket()).get(verdict_key(project, model, group_id))
         except KeyNotFoundError:
             return None
+        except Exception as exc:
+            raise DependencyUnavailable(f"verdict outbox unavailable: {exc!r}") from exc
         return _decode(entry.value)
 
     async def put(self, project: str, model: str, group_id: str, judged: JudgedGroup) -> None:
-        await (await self._bucket()).put(verdict_key(project, model, group_id), _encode(judged))
+        try:
+            await (await self._bucket()).put(verdict_key(project, model, group_id), _encode(judged))
+        except Exception as exc:
+            raise DependencyUnavailable(f"verdict outbox unavailable: {exc!r}") from exc
