@@ -250,6 +250,7 @@ class ReplicaRegistry:
         self._key = subjects.replica_key(project, model, self.replica_id)
         self._kv = None
         self._task: asyncio.Task | None = None
+        self._stopping = asyncio.Event()
 
     def info(self) -> ReplicaInfo:
         return ReplicaInfo(
@@ -272,17 +273,24 @@ class ReplicaRegistry:
     async def start(self) -> None:
         """Register now (so a trainer sees us before the first interval), then keep beating."""
         await self.beat()
+        self._stopping.clear()
         self._task = asyncio.create_task(self._loop())
 
     async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.heartbeat_s)
+        # Ends on ``_stopping`` too, not on cancellation alone: a cancel that lands as a beat's
+        # reply arrives can be swallowed inside nats-py's request (asyncio.wait_for on 3.11), and
+        # ``stop`` then waited for a loop that went on beating (a test teardown hung 300 s).
+        while not self._stopping.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), self.heartbeat_s)
+                return
             try:
                 await self.beat()
             except Exception as exc:  # a NATS outage: keep trying, the entry may expire meanwhile
                 log.warning("heartbeat failed", replica_id=self.replica_id, error=repr(exc))
 
     async def stop(self) -> None:
+        self._stopping.set()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
