@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo prepare-model test test-stress lint format schemas bench chaos soak clean
+.PHONY: setup demo prepare-model test test-stress fuzz lint format schemas bench chaos soak clean
 
 setup: $(STAMP)
 
@@ -51,6 +51,15 @@ test: setup lint prepare-model
 STRESS_RUNS ?= 3
 test-stress: setup prepare-model
 	$(PY) -m loadtests.stress --runs $(STRESS_RUNS) $(STRESS_ARGS)
+
+# The hostile-input corpus (tests/strategies.py) at FUZZ_SCALE times the size `make test` runs, from a
+# new seed each time unless FUZZ_SEED is given (a failure prints the seed to replay it with).
+FUZZ_SCALE ?= 10
+FUZZ_SEED ?= $(shell date +%s)
+fuzz: setup prepare-model
+	@echo "fuzz: scale $(FUZZ_SCALE), seed $(FUZZ_SEED) (replay: make fuzz FUZZ_SEED=$(FUZZ_SEED))"
+	ARTERY_FUZZ_SCALE=$(FUZZ_SCALE) ARTERY_FUZZ_SEED=$(FUZZ_SEED) $(PY) -m pytest -q \
+		tests/test_fuzz.py tests/test_tenants.py tests/test_inference_hostile.py tests/test_reward_hostile.py
 
 bench: setup prepare-model  # trainer_memory measures SmolLM2
 	$(PY) -m loadtests

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING
 
 import msgspec
 import nats
-from nats.js.errors import KeyNotFoundError
 from opentelemetry import trace
 
 from artery.schemas import (
@@ -39,10 +38,11 @@ from artery.schemas import (
     utcnow,
 )
 from artery.shared import bus, subjects
-from artery.shared.auth import nats_connect_options
+from artery.shared.auth import nats_connect_options, secret_value
 from artery.shared.control_client import live_replicas
 from artery.shared.embedded import free_port
 from artery.shared.permissions import provision_if_missing
+from artery.shared.registry import read_record
 from artery.shared.settings import CommonSettings
 from artery.shared.tracing import (
     current_trace_id,
@@ -56,7 +56,6 @@ from artery.trajectories import TrajectoryGroup
 if TYPE_CHECKING:
     from artery.model import Model
 
-_record_decoder = msgspec.json.Decoder(ModelRecord)
 _outcome_decoder = msgspec.json.Decoder(TrainCompleted | TrainFailed)
 _tracer = tracer("artery.sdk")
 #: Set by ``train()``: where ``publish`` notes the span of each submission.
@@ -98,7 +97,11 @@ class Backend:
         )
         #: An OpenAI-compatible base URL (``http://host:port/v1``); unset: found in the registry.
         self.inference_url = inference_url or os.environ.get("ARTERY_INFERENCE_URL") or None
-        self.inference_api_key = inference_api_key or os.environ.get("ARTERY_INFERENCE_API_KEY") or None
+        self.inference_api_key = inference_api_key or secret_value(
+            os.environ.get("ARTERY_INFERENCE_API_KEY") or None,
+            os.environ.get("ARTERY_INFERENCE_API_KEY_FILE") or None,
+            "ARTERY_INFERENCE_API_KEY",
+        )
         self._nc: nats.NATS | None = None
         #: Extra ``nats.connect`` options (credentials); ``LocalBackend`` sets them when secure.
         self._nats_options: dict[str, object] = {}
@@ -123,11 +126,8 @@ class Backend:
         """Record the model in the registry; a re-registration keeps its current step."""
         kv = await self._models_kv()
         key = subjects.model_key(model.project, model.name)
-        step = 0
-        try:
-            step = _record_decoder.decode((await kv.get(key)).value).step
-        except KeyNotFoundError:
-            pass
+        found = await read_record(kv, model.project, model.name)  # garbage: overwritten
+        step = found.record.step if found else 0
         record = ModelRecord(
             project=model.project,
             name=model.name,
@@ -157,12 +157,8 @@ class Backend:
         return await live_replicas(await self._js(), model.project, model.name)
 
     async def _get_step(self, model: Model) -> int:
-        kv = await self._models_kv()
-        try:
-            entry = await kv.get(subjects.model_key(model.project, model.name))
-        except KeyNotFoundError:
-            return 0
-        return _record_decoder.decode(entry.value).step
+        found = await read_record(await self._models_kv(), model.project, model.name)
+        return found.record.step if found else 0
 
     async def publish(
         self, model: Model, groups: Iterable[TrajectoryGroup], *, split: str = "train"
@@ -369,6 +365,9 @@ class LocalBackend(Backend):
             **({"services": services} if services else {}),
             **({"secure": True, "projects": (project,)} if secure else {}),
         )
+        if secure:  # its replicas serve requests that carry its project's key, and no other
+            key_file = str(self.stack.inference_key_file(project))
+            self.inference_api_key = secret_value(None, key_file, "ARTERY_INFERENCE_API_KEY")
         #: Extra ``ARTERY_INFERENCE_*`` settings for the replicas it starts (engine, device...).
         self.inference_env = dict(inference_env or {})
         self.start_inference = start_inference
@@ -389,9 +388,7 @@ class LocalBackend(Backend):
         name = f"inference-{model.project}-{model.name}"
         if self.start_inference and name not in self.stack.processes:
             env = {
-                "ARTERY_INFERENCE_PROJECT": model.project,
-                "ARTERY_INFERENCE_MODEL": model.name,
-                "ARTERY_INFERENCE_BASE_MODEL": model.base_model,
+                **self.stack.replica_env(model.project, model.name, model.base_model),
                 "ARTERY_INFERENCE_REPLICA_ID": f"local-{model.project}-{model.name}",
                 # A fixed port: a replica restarted after a crash comes back where clients look.
                 "ARTERY_INFERENCE_PORT": str(free_port()),

@@ -65,11 +65,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             stack.start_service(
                 name,
                 service="inference",
-                env={
-                    "ARTERY_INFERENCE_PROJECT": project,
-                    "ARTERY_INFERENCE_MODEL": model,
-                    "ARTERY_INFERENCE_BASE_MODEL": base_model,
-                },
+                env=stack.replica_env(project, model, base_model),
             )
             _line(name, "started", f"serving {project}/{model} on {base_model}")
         for name in stack.processes:
@@ -122,10 +118,9 @@ def _connection_urls(home: str) -> tuple[str, str | None]:
 
 async def _status(home: str) -> int:
     import asyncpg
-    import msgspec
 
-    from artery.schemas import ModelRecord
     from artery.shared import bus, subjects
+    from artery.shared.registry import read_record
     from artery.shared.settings import CommonSettings
 
     nats_url, database_url = _connection_urls(home)
@@ -170,8 +165,12 @@ async def _status(home: str) -> int:
     if keys:
         print("models")
         for key in keys:
-            record = msgspec.json.decode((await kv.get(key)).value, type=ModelRecord)
-            print(f"  {key:<30} step {record.step:<6} base {record.base_model or '-'}")
+            project, _, name = key.partition(".")
+            found = await read_record(kv, project, name)
+            if found is None:
+                print(f"  {key:<30} (no valid record: see the warning above)")
+                continue
+            print(f"  {key:<30} step {found.record.step:<6} base {found.record.base_model or '-'}")
     await bus.close(nc)
     if database_url:
         print(f"PostgreSQL {database_url}")

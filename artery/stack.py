@@ -14,9 +14,11 @@ as its project's (``agent_env``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -155,10 +157,40 @@ class Stack:
         return {"ARTERY_NATS_USER": user, "ARTERY_NATS_PASSWORD_FILE": str(path)}
 
     def agent_env(self, project: str) -> dict[str, str]:
-        """What an agent of ``project`` needs to connect (``ARTERY_NATS_URL``, user, password file)."""
+        """What an agent of ``project`` needs: ``ARTERY_NATS_URL``, its NATS user and password
+        file, and the file of its project's inference API key."""
         if project not in self.projects:
             raise KeyError(f"no agent user for project {project!r}; projects: {', '.join(self.projects)}")
-        return {"ARTERY_NATS_URL": self.nats_url or "", **self._credentials(f"agent-{project}")}
+        return {
+            "ARTERY_NATS_URL": self.nats_url or "",
+            **self._credentials(f"agent-{project}"),
+            "ARTERY_INFERENCE_API_KEY_FILE": str(self.inference_key_file(project)),
+        }
+
+    def inference_key_file(self, project: str) -> Path:
+        """The file of ``project``'s inference API key (secure stacks): its replicas serve only
+        requests that carry it, so another project's agent, or anyone who reaches the port, is
+        refused. Made once, kept across restarts like the passwords."""
+        if not self.secure or project not in self.projects:
+            raise KeyError(f"no inference key for project {project!r} (secure={self.secure})")
+        self.secrets.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path = self.secrets / f"inference-{project}.key"
+        with contextlib.suppress(FileExistsError):
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_urlsafe(32) + "\n")
+        return path
+
+    def replica_env(self, project: str, model: str, base_model: str) -> dict[str, str]:
+        """The ``ARTERY_INFERENCE_*`` environment of a replica serving ``project``/``model``."""
+        env = {
+            "ARTERY_INFERENCE_PROJECT": project,
+            "ARTERY_INFERENCE_MODEL": model,
+            "ARTERY_INFERENCE_BASE_MODEL": base_model,
+        }
+        if self.secure:
+            env["ARTERY_INFERENCE_API_KEY_FILE"] = str(self.inference_key_file(project))
+        return env
 
     def start_infrastructure(self) -> None:
         """NATS and PostgreSQL, unless URLs of running ones were given; if one fails, neither runs."""

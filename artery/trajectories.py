@@ -181,7 +181,7 @@ class TrajectoryGroup:
         try:  # the collector's own check, so the agent hears of it now and not in a dead letter
             check_finite(event)
         except InvalidMessage as exc:
-            raise ValueError(f"{exc.reason}: rewards, metrics and metadata must be finite") from None
+            raise ValueError(f"{exc.kind}: {exc.reason}") from None
         return event
 
 

@@ -192,14 +192,18 @@ PARAMETERS = {
 
 def headers_schema() -> dict:
     window_min = bus.DUPLICATE_WINDOW_S / 60
+    agent_window_ms = bus.AGENT_DUPLICATE_WINDOW_S * 1000
     return {
         "type": "object",
         "description": "NATS headers, the same on every message. Unknown headers are ignored.",
         "properties": {
             bus.MSG_ID: {
                 "type": "string",
-                "description": "The event id (payload `id`). JetStream drops a re-publish with the "
-                f"same id within the stream's {window_min:g}-minute duplicate window.",
+                "description": "`<project>.<model>.<id>`: the event's id within its tenant. JetStream "
+                f"drops a re-publish with the same id within the stream's duplicate window: "
+                f"{window_min:g} minutes, or {agent_window_ms:g} ms (its minimum) on the streams agents "
+                "write to, where one window is shared by every tenant. There the consumers are "
+                "idempotent on (project, model, id) themselves.",
             },
             bus.CONTENT_TYPE: {
                 "type": "string",
@@ -343,7 +347,7 @@ def asyncapi() -> dict:
             spec.name: {
                 "subjects": list(spec.subjects),
                 "description": spec.description,
-                "duplicate_window_seconds": bus.DUPLICATE_WINDOW_S,
+                "duplicate_window_seconds": bus.duplicate_window_s(spec),
             }
             for spec in subjects.STREAMS
         },

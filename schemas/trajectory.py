@@ -12,8 +12,10 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from artery.schemas.base import Event, Split, Struct
+from artery.schemas.base import Event, Split, Step, Struct
 
+#: A vocabulary index: tokenizers' ids are non-negative 32-bit integers.
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 JSONObject = dict[str, Any]
 Scalar = str | int | float | bool | None
@@ -50,13 +52,13 @@ class ToolCall(Struct, kw_only=True):
 class TopLogprob(Struct, kw_only=True):
     token: str
     logprob: float
-    token_id: int | None = None
+    token_id: TokenId | None = None
 
 
 class Sample(Struct, kw_only=True):
     """What the engine sampled for one assistant message; present only on engine output."""
 
-    token_ids: list[int]
+    token_ids: list[TokenId]
     logprobs: list[float]
     #: The alternatives at each position, when ``top_logprobs`` was asked for.
     top_logprobs: list[list[TopLogprob]] | None = None
@@ -97,15 +99,16 @@ class History(Struct, kw_only=True):
     tools: list[Tool] | None = None
 
 
-# Rewards are plain floats here; the collector rejects NaN and infinities with a reason
-# (msgpack can carry them, and JSON Schema cannot express "finite").
+# Rewards are plain floats here; the collector rejects NaN, infinities and magnitudes beyond
+# ``validate.REWARD_LIMIT`` (1e6) with a reason (msgpack can carry non-finite numbers, and JSON
+# Schema cannot express "finite").
 class Trajectory(Struct, kw_only=True):
     messages: Annotated[list[Message], msgspec.Meta(min_length=1)]
     tools: list[Tool] | None = None
     additional_histories: list[History] = []
     reward: float = 0.0
-    initial_policy_version: int | None = None
-    final_policy_version: int | None = None
+    initial_policy_version: Step | None = None
+    final_policy_version: Step | None = None
     metrics: dict[str, float | int | bool] = {}
     metadata: dict[str, Scalar] = {}
     logs: list[str] = []

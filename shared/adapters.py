@@ -9,6 +9,7 @@ always has the same sha256 and a re-publish is recognisably the same object.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import io
 import os
@@ -18,7 +19,9 @@ import tempfile
 from pathlib import Path, PurePosixPath
 
 from nats.js import JetStreamContext
+from nats.js.api import ObjectInfo
 from nats.js.errors import NotFoundError, ObjectNotFoundError
+from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE
 
 from artery.shared import subjects
 from artery.shared.errors import ArteryError
@@ -124,14 +127,58 @@ async def put_adapter(js: JetStreamContext, object_name: str, data: bytes):
 
 
 async def get_adapter(js: JetStreamContext, object_name: str) -> bytes:
+    """The stored archive of ``object_name``; ``AdapterNotFound`` at once when it is not there.
+
+    Read chunk by chunk with message gets, not with nats-py's ``ObjectStore.get``: that reads the
+    chunks through an ordered consumer, and when the object is deleted between its metadata and
+    its chunks (retention deleting the previous step as the next is published) it waits forever
+    for chunks that were purged, its consumer left on the stream with nothing pending. A get by
+    subject answers "not found" instead, each request is bounded by the context's timeout, and no
+    consumer is left behind when a caller gives up.
+    """
+    return await read_adapter(js, await adapter_info(js, object_name))
+
+
+async def adapter_info(js: JetStreamContext, object_name: str) -> ObjectInfo:
     store = await js.object_store(subjects.ADAPTERS_BUCKET)
-    # Streamed into a buffer: nats-py's default ``data += chunk`` is quadratic in the size.
-    buffer = io.BytesIO()
     try:
-        info = await store.get_info(object_name)
-        if (info.size or 0) > MAX_ADAPTER_BYTES:
-            raise AdapterError(f"adapter {object_name!r} is {info.size} bytes, over the limit")
-        await store.get(object_name, writeinto=buffer)
+        info = await store.get_info(object_name)  # a deleted object is not found too
     except (ObjectNotFoundError, NotFoundError) as exc:
         raise AdapterNotFound(f"adapter {object_name!r} is not in {subjects.ADAPTERS_BUCKET}") from exc
+    if (info.size or 0) > MAX_ADAPTER_BYTES:
+        raise AdapterError(f"adapter {object_name!r} is {info.size} bytes, over the limit")
+    if info.is_link() or not info.nuid:
+        raise AdapterError(f"adapter {object_name!r} is a link or has no chunks of its own")
+    return info
+
+
+async def read_adapter(js: JetStreamContext, info: ObjectInfo) -> bytes:
+    """The chunks ``info`` names, checked against its size and digest."""
+    stream = OBJ_STREAM_TEMPLATE.format(bucket=subjects.ADAPTERS_BUCKET)
+    chunks = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=subjects.ADAPTERS_BUCKET, obj=info.nuid)
+    size = info.size or 0
+    # Streamed into a buffer: ``data += chunk`` would be quadratic in the size.
+    buffer = io.BytesIO()
+    digest = hashlib.sha256()
+    seq = 1
+    while buffer.tell() < size:
+        try:
+            msg = await js.get_msg(stream, seq=seq, subject=chunks, next=True)
+        except NotFoundError as exc:  # purged: deleted (or replaced) since its metadata was read
+            raise AdapterNotFound(f"adapter {info.name!r} was deleted while it was read") from exc
+        data = msg.data or b""
+        buffer.write(data)
+        digest.update(data)
+        seq = msg.seq + 1
+    if buffer.tell() != size or (info.digest and digest.digest() != _digest_bytes(info.digest)):
+        raise AdapterError(f"adapter {info.name!r} does not match its size and digest in the store")
     return buffer.getvalue()
+
+
+def _digest_bytes(digest: str) -> bytes | None:
+    """The sha256 in the Object Store's ``SHA-256=<base64url>``; None when it is not one."""
+    kind, _, value = digest.partition("=")
+    try:
+        return base64.urlsafe_b64decode(value) if kind.upper() == "SHA-256" else None
+    except ValueError:
+        return None

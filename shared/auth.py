@@ -43,18 +43,19 @@ class NatsAuthSettings(msgspec.Struct, kw_only=True, frozen=True):
     inbox_prefix: Annotated[str | None, doc("reply inbox prefix; default _INBOX.<user> with a user")] = None
 
 
-def _secret(value: str | None, path: str | None, what: str) -> str | None:
+def secret_value(value: str | None, path: str | None, name: str) -> str | None:
+    """A secret given as ``<name>`` (``value``) or in the file ``<name>_FILE`` (``path``)."""
     if value and path:
-        raise ConfigError(f"set ARTERY_NATS_{what} or ARTERY_NATS_{what}_FILE, not both")
+        raise ConfigError(f"set {name} or {name}_FILE, not both")
     if not path:
         return value
     try:
         text = Path(path).read_text()
     except OSError as exc:
-        raise ConfigError(f"cannot read ARTERY_NATS_{what}_FILE: {exc}") from exc
+        raise ConfigError(f"cannot read {name}_FILE: {exc}") from exc
     secret = text.rstrip("\r\n")  # secrets files usually end with a newline
     if not secret:
-        raise ConfigError(f"ARTERY_NATS_{what}_FILE {path!r} is empty")
+        raise ConfigError(f"{name}_FILE {path!r} is empty")
     return secret
 
 
@@ -78,8 +79,8 @@ def nats_connect_options(
 ) -> dict[str, object]:
     """Keyword arguments for ``nats.connect``: credentials, TLS, inbox prefix (only what is set)."""
     auth = load(NatsAuthSettings, PREFIX, environ)
-    password = _secret(auth.password, auth.password_file, "PASSWORD")
-    token = _secret(auth.token, auth.token_file, "TOKEN")
+    password = secret_value(auth.password, auth.password_file, f"{PREFIX}PASSWORD")
+    token = secret_value(auth.token, auth.token_file, f"{PREFIX}TOKEN")
     if token and auth.user:
         raise ConfigError("set a NATS user and password or a token, not both")
     if bool(auth.user) != bool(password):

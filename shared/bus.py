@@ -1,8 +1,9 @@
 """NATS connection, JetStream provisioning and event publishing.
 
-``publish_event`` is the only way events leave a process: it sets ``Nats-Msg-Id`` to the event
-id (JetStream drops a re-publish within the duplicate window), the content type, the schema
-version and the W3C trace context of the current span.
+``publish_event`` is the only way events leave a process: it sets ``Nats-Msg-Id`` to the event's
+key, ``<project>.<model>.<id>`` (JetStream drops a re-publish within the duplicate window; ids are
+unique only within a tenant), the content type, the schema version and the W3C trace context of
+the current span.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from nats.js.errors import BadRequestError, NoStreamResponseError, NotFoundError
 from artery.schemas import SCHEMA_VERSION, Event
 from artery.shared import subjects
 from artery.shared.auth import nats_connect_options
-from artery.shared.codec import JSON, encode
+from artery.shared.codec import CONTENT_TYPE, EVENT_HEADER, JSON, MSG_ID, SCHEMA_HEADER, encode
 from artery.shared.kv import kv_stream
 from artery.shared.logs import get_logger
 from artery.shared.settings import CommonSettings
@@ -36,13 +37,22 @@ from artery.shared.tracing import inject
 
 log = get_logger(__name__)
 
-MSG_ID = "Nats-Msg-Id"
-CONTENT_TYPE = "Content-Type"
-SCHEMA_HEADER = "Artery-Schema"
-EVENT_HEADER = "Artery-Event"
 
 #: JetStream de-duplicates re-publishes of the same ``Nats-Msg-Id`` within this window.
 DUPLICATE_WINDOW_S = 120.0
+#: The window of streams agents write to (``StreamSpec.agent_written``): JetStream's minimum.
+AGENT_DUPLICATE_WINDOW_S = 0.1
+
+
+def duplicate_window_s(spec: subjects.StreamSpec) -> float:
+    return AGENT_DUPLICATE_WINDOW_S if spec.agent_written else DUPLICATE_WINDOW_S
+
+
+def tenant_msg_id(event: Event) -> str:
+    """The event's ``Nats-Msg-Id``: its id within its tenant. Project and model names hold no dots."""
+    return f"{event.project}.{event.model}.{event.id}"
+
+
 REPLICA_TTL_S = 30.0
 #: How long a judge's verdict is kept in its bucket: far longer than any PostgreSQL outage or
 #: redelivery, after which the row in PostgreSQL is the record.
@@ -93,7 +103,7 @@ def stream_config(spec: subjects.StreamSpec, settings: CommonSettings) -> Stream
         storage=StorageType.FILE,
         num_replicas=settings.stream_replicas,
         allow_direct=spec.direct,
-        duplicate_window=DUPLICATE_WINDOW_S,
+        duplicate_window=duplicate_window_s(spec),
         max_msg_size=settings.max_payload_bytes,
     )
 
@@ -145,7 +155,7 @@ async def _ensure_kv(js: JetStreamContext, config: KeyValueConfig) -> None:
 
 def event_headers(event: Event, content_type: str = JSON, msg_id: str | None = None) -> dict[str, str]:
     headers = {
-        MSG_ID: msg_id or event.id,
+        MSG_ID: msg_id or tenant_msg_id(event),
         CONTENT_TYPE: content_type,
         SCHEMA_HEADER: SCHEMA_VERSION,
         EVENT_HEADER: type(event).__struct_config__.tag,

@@ -11,6 +11,12 @@ import msgspec
 
 from artery.shared.errors import InvalidMessage
 
+# The headers every event carries (``bus.event_headers`` sets them).
+MSG_ID = "Nats-Msg-Id"
+CONTENT_TYPE = "Content-Type"
+SCHEMA_HEADER = "Artery-Schema"
+EVENT_HEADER = "Artery-Event"
+
 JSON = "application/json"
 MSGPACK = "application/msgpack"
 CONTENT_TYPES = (JSON, MSGPACK)

@@ -86,9 +86,17 @@ async def init_connection(conn: asyncpg.Connection) -> None:
         "jsonb",
         schema="pg_catalog",
         format="binary",
-        encoder=lambda value: b"\x01" + (value if isinstance(value, bytes) else json.dumps(value).encode()),
+        encoder=lambda value: b"\x01" + _json_bytes(value),
         decoder=lambda data: json.loads(data[1:]),
     )
+    # json (what agents wrote, kept verbatim: see 0006_tenant_keys.sql) is its text, no version byte.
+    await conn.set_type_codec(
+        "json", schema="pg_catalog", format="binary", encoder=_json_bytes, decoder=json.loads
+    )
+
+
+def _json_bytes(value: object) -> bytes:
+    return value if isinstance(value, bytes) else json.dumps(value).encode()
 
 
 async def create_pool(dsn: str, *, min_size: int = 1, max_size: int = 4) -> asyncpg.Pool:

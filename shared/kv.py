@@ -20,8 +20,10 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 _KV_OPERATION = "KV-Operation"
 _REMOVED = {"DEL", "PURGE"}
-#: An abandoned read (its client died) is removed by the server after this long.
-_INACTIVE_S = 30.0
+#: A read's consumer is removed by the server once nobody listens on its inbox for this long.
+#: It is never deleted by the reader: deleting consumers cannot be scoped by name in
+#: permissions, and an agent allowed to would delete other tenants' consumers too.
+_INACTIVE_S = 5.0
 
 
 def kv_stream(bucket: str) -> str:
@@ -39,7 +41,6 @@ async def latest_values(
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)  # before the consumer exists: nothing is delivered unseen
     name = f"read_{secrets.token_hex(8)}"
-    created = False
     try:
         info = await js.add_consumer(
             kv_stream(bucket),
@@ -54,7 +55,6 @@ async def latest_values(
                 num_replicas=1,
             ),
         )
-        created = True
         found: dict[str, bytes] = {}
         # num_pending at creation: one message per matching key, the last of each.
         async with asyncio.timeout(timeout_s):
@@ -65,8 +65,5 @@ async def latest_values(
                 found[msg.subject.removeprefix(prefix)] = msg.data
         return found
     finally:
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # without interest, the server removes the consumer
             await sub.unsubscribe()
-        if created:
-            with contextlib.suppress(Exception):
-                await js.delete_consumer(kv_stream(bucket), name)

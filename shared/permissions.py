@@ -144,13 +144,35 @@ def _kv_read(bucket: str, keys: str = ">") -> list[str]:
 
 def _kv_scan(bucket: str, keys: str = ">") -> list[str]:
     """Reading every key that matches ``keys`` (``shared.kv.latest_values``): a consumer named and
-    filtered in its subject, delivered to the user's inbox, deleted after. The delete cannot be
-    scoped by name; the streams of these buckets hold no consumer but such short reads."""
-    stream = kv_stream(bucket)
-    return [
-        f"{JS_API}.CONSUMER.CREATE.{stream}.*.$KV.{bucket}.{keys}",
-        f"{JS_API}.CONSUMER.DELETE.{stream}.*",
-    ]
+    filtered in its subject, delivered to the user's inbox, removed by the server once the
+    reader stops listening (a delete cannot be scoped by name, so it is nobody's to send)."""
+    return [f"{JS_API}.CONSUMER.CREATE.{kv_stream(bucket)}.*.$KV.{bucket}.{keys}"]
+
+
+#: Stream and consumer administration, denied to agents outright (on top of their allow-list):
+#: an agent's credentials must never change, empty or remove what other tenants depend on.
+AGENT_DENIED_ADMIN = tuple(
+    f"{JS_API}.{operation}.>"
+    for operation in (
+        "STREAM.CREATE",
+        "STREAM.UPDATE",
+        "STREAM.DELETE",
+        "STREAM.PURGE",
+        "STREAM.MSG.DELETE",
+        "STREAM.SNAPSHOT",
+        "STREAM.RESTORE",
+        "STREAM.PEER",
+        "STREAM.LEADER",
+        "CONSUMER.DELETE",
+        "CONSUMER.PAUSE",
+        "CONSUMER.UNPIN",
+        "CONSUMER.LEADER",
+        "CONSUMER.DURABLE",
+        "META",
+        "SERVER",
+        "ACCOUNT",
+    )
+)
 
 
 def _kv_write(bucket: str, keys: str = ">") -> list[str]:
@@ -219,7 +241,7 @@ def permissions(role: str, user: str, *, project: str | None = None) -> Permissi
                 *_kv_scan(replicas, f"{project}.>"),  # finding a replica's URL, in its project
             ),
             subscribe=(subjects.train("*", project, ">"), inbox),
-            deny_publish=tuple(deny),
+            deny_publish=(*deny, *AGENT_DENIED_ADMIN),
         )
     if project is not None:
         raise ValueError("only agent users have a project")
@@ -256,7 +278,9 @@ def permissions(role: str, user: str, *, project: str | None = None) -> Permissi
         publish += [
             # The last published adapter, by direct get: no consumer on ARTERY_CHECKPOINTS.
             f"{JS_API}.DIRECT.GET.{subjects.CHECKPOINTS.name}.{published}",
-            *_object_read(adapters),
+            # An adapter's metadata and chunks, message by message (``adapters.read_adapter``):
+            # no consumer, so none is left behind when retention deletes the object mid-read.
+            f"{JS_API}.STREAM.MSG.GET.{_obj_stream(adapters)}",
             *_kv_write(replicas),  # its heartbeat
         ]
         subscribe += [

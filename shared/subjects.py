@@ -19,13 +19,23 @@ class StreamSpec:
     #: Direct gets (``$JS.API.DIRECT.GET.<stream>.<subject>``): the last message of a subject,
     #: read without a consumer, and grantable per subject.
     direct: bool = False
+    #: Agents publish into it. Its ``Nats-Msg-Id`` de-duplication, one window shared by every
+    #: tenant, is then kept at JetStream's minimum: with the usual window, one project could
+    #: suppress another's message by publishing its id first. Its consumers are idempotent on
+    #: (project, model, id) in PostgreSQL instead.
+    agent_written: bool = False
 
 
 TRAJECTORIES = StreamSpec(
-    "ARTERY_TRAJECTORIES", (f"{PREFIX}.traj.>",), "trajectory groups published by agents"
+    "ARTERY_TRAJECTORIES",
+    (f"{PREFIX}.traj.>",),
+    "trajectory groups published by agents",
+    agent_written=True,
 )
 GROUPS = StreamSpec("ARTERY_GROUPS", (f"{PREFIX}.group.>",), "stored groups: ready for reward, then scored")
-TRAINING = StreamSpec("ARTERY_TRAINING", (f"{PREFIX}.train.>",), "train requests and their outcomes")
+TRAINING = StreamSpec(
+    "ARTERY_TRAINING", (f"{PREFIX}.train.>",), "train requests and their outcomes", agent_written=True
+)
 CHECKPOINTS = StreamSpec(
     "ARTERY_CHECKPOINTS", (f"{PREFIX}.ckpt.>",), "adapters saved, published and deleted", direct=True
 )

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +41,8 @@ class Hostile:
     #: Dead-letter kinds a correct service may use for it, and a pattern its reason must match.
     kinds: frozenset[str]
     reason: str
+    #: Headers sent besides ``Content-Type`` and ``Nats-Msg-Id``.
+    headers: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -54,13 +57,20 @@ class HostileHttp:
     code: str | None = None
 
 
+#: ``make fuzz``: ``ARTERY_FUZZ_SCALE`` times as many examples, drawn from ``ARTERY_FUZZ_SEED``
+#: (printed, so that a failure can be replayed); ``make test`` runs scale 1, seed 0, every time alike.
+SCALE = max(1, int(os.environ.get("ARTERY_FUZZ_SCALE", "1")))
+SEED = int(os.environ.get("ARTERY_FUZZ_SEED", "0"))
+
+
 def collect(strategy: st.SearchStrategy, n: int, at: int) -> list:
-    """``n`` examples of ``strategy``, the same on every run (fixed seed, no example database)."""
+    """``n`` examples of ``strategy`` (times ``SCALE``), the same on every run with the same
+    ``SEED`` (a fixed seed, no example database)."""
     found: list = []
 
-    @seed(at)
+    @seed(at + SEED)
     @settings(
-        max_examples=n,
+        max_examples=n * SCALE,
         database=None,
         deadline=None,
         phases=[Phase.generate],
@@ -178,8 +188,78 @@ _DECODE_OR_VALIDATION = frozenset({"decode", "validation"})
 _MSGSPEC_REASON = r"expected|invalid|missing|out of range|at `\$"
 
 
-def _group_hostile(label, payload, content_type, kinds, reason, subject=TRAJ_SUBJECT) -> Hostile:
-    return Hostile(label, subject, payload, content_type, frozenset(kinds), reason)
+def _group_hostile(label, payload, content_type, kinds, reason, subject=TRAJ_SUBJECT, headers=()) -> Hostile:
+    return Hostile(label, subject, payload, content_type, frozenset(kinds), reason, tuple(headers))
+
+
+# What is stored must be exactly what was sent: values that could only be stored changed (token
+# ids beyond 32 bits, rewards whose sums overflow, non-finite alternatives' logprobs) are refused.
+_SAMPLE = ("trajectories", 0, "messages", 2, "sample")
+_OUT_OF_BOUNDS: dict[tuple, list] = {
+    (*_SAMPLE, "token_ids", 0): [-1, 2**31, 2**32, 2**64 - 1],
+    (*_SAMPLE, "top_logprobs"): [[[{"token": "x", "logprob": -0.1, "token_id": -1}]]],
+    ("trajectories", 0, "initial_policy_version"): [-1, 2**31],
+}
+
+
+def _out_of_bounds(path, value, content_type):
+    return _group_hostile(
+        "out_of_bounds",
+        encode(set_path(_BASE, path, value), content_type),
+        content_type,
+        _VALIDATION,
+        _MSGSPEC_REASON,
+    )
+
+
+def _reward_out_of_range(value, content_type):
+    return _group_hostile(
+        "reward_out_of_range",
+        encode(set_path(_BASE, ("trajectories", 1, "reward"), value), content_type),
+        content_type,
+        {"out_of_range"},
+        r"reward .* beyond the limit",
+    )
+
+
+def _non_finite_alternative(value):
+    alternatives = [[{"token": "x", "logprob": -0.5}, {"token": "y", "logprob": value}]]
+    return _group_hostile(
+        "non_finite",
+        encode(set_path(_BASE, (*_SAMPLE, "top_logprobs"), alternatives), MSGPACK),
+        MSGPACK,
+        {"non_finite"},
+        r"top_logprobs",
+    )
+
+
+def _untagged(content_type):
+    document = {k: v for k, v in _BASE.items() if k != "event"}
+    return _group_hostile(
+        "untagged", encode(document, content_type), content_type, _VALIDATION, r"missing.*`event`"
+    )
+
+
+def _another_event(content_type):
+    request = {"event": "train.requested", "id": "fz-req", "project": PROJECT, "model": MODEL}
+    return _group_hostile(
+        "another_event",
+        encode({**request, "group_ids": ["g"]}, content_type),
+        content_type,
+        {"wrong_event"},
+        r"not a trajectory group",
+    )
+
+
+def _contradicting_header(header, content_type):
+    return _group_hostile(
+        "header_mismatch",
+        encode(_BASE, content_type),
+        content_type,
+        {"header_mismatch"},
+        header[0],
+        headers=[header],
+    )
 
 
 def _wrong_type(path, value, content_type):
@@ -372,6 +452,27 @@ def hostile_groups(max_bytes: int) -> st.SearchStrategy[Hostile]:
             ),
         ),
         st.builds(_sample_mismatch, st.integers(0, 11), payload_of()),
+        st.sampled_from(sorted(_OUT_OF_BOUNDS, key=str)).flatmap(
+            lambda path: st.builds(
+                _out_of_bounds, st.just(path), st.sampled_from(_OUT_OF_BOUNDS[path]), payload_of()
+            )
+        ),
+        st.builds(_reward_out_of_range, st.sampled_from([1.7e308, -1.7e308, 1e7, -2e6]), payload_of()),
+        st.builds(_non_finite_alternative, st.sampled_from([math.nan, math.inf, -math.inf])),
+        st.builds(_untagged, payload_of()),
+        st.builds(_another_event, payload_of()),
+        st.builds(
+            _contradicting_header,
+            st.sampled_from(
+                [
+                    ("Artery-Event", "train.requested"),
+                    ("Artery-Event", "trajectory_group.v9"),
+                    ("Artery-Schema", "2"),
+                    ("Artery-Schema", "0"),
+                ]
+            ),
+            payload_of(),
+        ),
     ]
     # Each category as likely as any other (``one_of`` favours the first ones).
     return st.sampled_from(categories).flatmap(lambda category: category)
@@ -390,7 +491,9 @@ def big_but_valid_groups() -> list[tuple[str, Any]]:
     from artery.schemas import Message, Trajectory, TrajectoryGroupSubmitted, new_event_id
 
     many = Trajectory(messages=[Message(role="user", content=f"m{i}") for i in range(10_000)], reward=1.0)
-    long_text = Trajectory(messages=[Message(role="user", content="y" * 500_000)], reward=-1e300)
+    long_text = Trajectory(
+        messages=[Message(role="user", content="y" * 500_000)], reward=-1e6
+    )  # the limit itself
     nested = Trajectory(
         messages=[Message(role="user", content="tools")],
         tools=[{"function": {"name": "f", "parameters": json.loads('{"a":' * 50 + "1" + "}" * 50)}}],

@@ -148,7 +148,7 @@ async def test_reward_service_waits_out_postgres_and_judges_each_group_once(
             gate.set()  # verdicts come back while they cannot be stored
             for g in late:
                 ready = GroupReady(
-                    id=ready_event_id(g.id), project=PROJECT, model=MODEL, group_id=g.id,
+                    id=ready_event_id(PROJECT, MODEL, g.id), project=PROJECT, model=MODEL, group_id=g.id,
                     num_trajectories=2, rewards=[t.reward for t in g.trajectories], needs_reward=True,
                 )  # fmt: skip
                 await publish_event(js, subjects.group_ready(PROJECT, MODEL), ready)

@@ -60,7 +60,7 @@ async def test_connections_cut_during_concurrent_work_only_ever_look_like_an_out
                 async with pool.connection() as conn:  # the collector's
                     await write_groups(conn, [StoredGroup.of(g, None)])
                 async with pool.connection() as conn:  # the reward service's
-                    await record_verdict(conn, g.id, verdict, None)
+                    await record_verdict(conn, (g.project, g.model, g.id), verdict, None)
                 async with pool.connection() as conn:  # the trainer's
                     assert await stored_group_ids(conn, g.project, g.model, [g.id]) == {g.id}
                     assert len((await load_groups(conn, g.project, g.model, [g.id]))[0]) == 2

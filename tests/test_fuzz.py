@@ -33,6 +33,7 @@ from artery.schemas import (
     ResumeAck,
     RetentionApplied,
     TrainRequested,
+    Trajectory,
     TrajectoryGroupSubmitted,
     new_event_id,
 )
@@ -59,8 +60,8 @@ COLLECTOR_DLQ_PAYLOAD = 64 * 1024
 CONTROL_DLQ_PAYLOAD = 16 * 1024
 
 
-def _headers(content_type: str | None, msg_id: str | None) -> dict[str, str]:
-    headers = {}
+def _headers(content_type: str | None, msg_id: str | None, extra=()) -> dict[str, str]:
+    headers = dict(extra)
     if content_type is not None:
         headers[CONTENT_TYPE] = content_type
     if msg_id is not None:
@@ -109,12 +110,18 @@ def _summary(problems: list[str]) -> str:
 
 def _good_groups() -> list[tuple[str, bytes, str | None, TrajectoryGroupSubmitted]]:
     """Valid groups in every accepted shape: both encodings, content types with parameters or
-    none, every valid name form, and absurd-but-valid sizes."""
+    none, every valid name form, absurd-but-valid sizes and values (a sampled U+0000, token ids
+    at 2^31 - 1), and ids another tenant uses too."""
     shapes = [JSON, MSGPACK, "application/json; charset=utf-8", "APPLICATION/MSGPACK", None]
     good = []
     for i in range(80):
         project, model = fz.GOOD_NAMES[i % len(fz.GOOD_NAMES)]
         g = group(project, model, size=1 + i % 3, seed=1000 + i)
+        if i % 10 == 1:  # the previous group's id, in another tenant: both are stored
+            g.id = good[-1][3].id
+        if i % 10 == 2:
+            g.trajectories[0].messages[2].content = "a\x00b"
+            g.trajectories[0].messages[2].sample.token_ids[0] = 2**31 - 1
         content_type = shapes[i % len(shapes)]
         wire = MSGPACK if content_type and "msgpack" in content_type.lower() else JSON
         good.append((subjects.trajectories(project, model), encode(g, wire), content_type, g))
@@ -123,7 +130,7 @@ def _good_groups() -> list[tuple[str, bytes, str | None, TrajectoryGroupSubmitte
     return good
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(180 * fz.SCALE)
 async def test_collector_dead_letters_every_hostile_group_while_good_ones_flow(
     js, db, run_collector, common_settings
 ):
@@ -156,32 +163,34 @@ async def test_collector_dead_letters_every_hostile_group_while_good_ones_flow(
     good_iter = iter(good)
     for i, h in enumerate(hostile):
         msg_id = None if i % 11 == 0 else f"fz-bad-{i}"  # some without any Nats-Msg-Id
-        outgoing.append((h.subject, h.payload, _headers(h.content_type, msg_id), h))
+        outgoing.append((h.subject, h.payload, _headers(h.content_type, msg_id, h.headers), h))
         if i % 8 == 0 and (item := next(good_iter, None)) is not None:
             subject, payload, content_type, g = item
-            outgoing.append((subject, payload, _headers(content_type, g.id), None))
+            outgoing.append((subject, payload, _headers(content_type, bus.tenant_msg_id(g)), None))
             if i % 40 == 0:
                 outgoing.append((subject, payload, _headers(content_type, f"again-{g.id}"), None))
     for subject, payload, content_type, g in good_iter:
-        outgoing.append((subject, payload, _headers(content_type, g.id), None))
+        outgoing.append((subject, payload, _headers(content_type, bus.tenant_msg_id(g)), None))
     futures = [await js.publish_async(s, p, headers=h) for s, p, h, _ in outgoing]
     acks = await asyncio.gather(*futures)
     by_seq = {ack.seq: h for ack, (_, _, _, h) in zip(acks, outgoing, strict=True) if h is not None}
     assert len(by_seq) == len(hostile)  # no hostile message was de-duplicated away by JetStream
 
-    good_ids = {g.id for *_, g in good}
+    good_keys = {(g.project, g.model, g.id) for *_, g in good}
     n_trajectories = sum(len(g.trajectories) for *_, g in good)
 
     async def settled():
         dead = (await js.stream_info(subjects.DLQ.name)).state.messages
         stored = await db.fetchval("SELECT count(*) FROM trajectory_groups")
         ci = await js.consumer_info(subjects.TRAJECTORIES.name, subjects.COLLECTOR_CONSUMER)
-        return dead >= len(hostile) and stored >= len(good_ids) and ci.num_pending + ci.num_ack_pending == 0
+        return dead >= len(hostile) and stored >= len(good_keys) and ci.num_pending + ci.num_ack_pending == 0
 
-    await wait_for(settled, timeout=90, interval=0.2)
+    await wait_for(settled, timeout=90 * fz.SCALE, interval=0.2)
 
     letters = await _letters(js, "collector")
-    assert len(letters) == len(hostile)
+    assert len(letters) == len(hostile), [
+        (lt.kind, lt.reason) for lt in letters if lt.stream_seq not in by_seq
+    ]
     problems: list[str] = []
     seen = collections.Counter(letter.stream_seq for letter in letters)
     assert set(seen) == set(by_seq) and max(seen.values()) == 1
@@ -194,12 +203,45 @@ async def test_collector_dead_letters_every_hostile_group_while_good_ones_flow(
             problems.append(f"{h.label}: payload not kept")
     assert not problems, _summary(problems)
 
-    # Good groups: all stored, exactly once, whole.
-    stored = {r["id"] for r in await db.fetch("SELECT id FROM trajectory_groups")}
-    assert stored == good_ids
+    # Good groups: all stored, exactly once, whole, exactly as sent.
+    stored = {tuple(r) for r in await db.fetch("SELECT project, model, id FROM trajectory_groups")}
+    assert stored == good_keys
     assert await db.fetchval("SELECT count(*) FROM trajectories") == n_trajectories
+    for *_, g in good[:20]:
+        bodies = await db.fetch(
+            "SELECT body::text FROM trajectories WHERE project = $1 AND model = $2 AND group_id = $3"
+            " ORDER BY idx",
+            g.project,
+            g.model,
+            g.id,
+        )
+        assert [msgspec.json.decode(b[0], type=Trajectory) for b in bodies] == g.trajectories
     ci = await js.consumer_info(subjects.TRAJECTORIES.name, subjects.COLLECTOR_CONSUMER)
     assert ci.num_redelivered == 0  # no batch failed because of a hostile neighbour
+
+    # A different group under a stored group's key is a conflict: dead-lettered with both
+    # hashes, never dropped in silence, and the stored one is left as it was.
+    before = len(letters)
+    changed = [msgspec.structs.replace(g, metadata={"changed": True}) for *_, g in good[:5]]
+    for g in changed:
+        await js.publish(
+            subjects.trajectories(g.project, g.model),
+            encode(g),
+            headers=_headers(JSON, f"conflict.{bus.tenant_msg_id(g)}"),
+        )
+
+    async def conflicts_lettered():
+        return len(await _letters(js, "collector")) >= before + len(changed)
+
+    await wait_for(conflicts_lettered)
+    conflicts = (await _letters(js, "collector"))[before:]
+    assert sorted(letter.original_id for letter in conflicts) == sorted(g.id for g in changed)
+    for letter in conflicts:
+        assert letter.kind == "conflict", letter.reason
+        assert re.search(r"stored body sha256 [0-9a-f]{64}, this one [0-9a-f]{64}", letter.reason)
+    assert (
+        await db.fetchval("SELECT count(*) FROM trajectory_groups WHERE metadata::text LIKE '%changed%'") == 0
+    )
 
     # Still consuming.
     (collector,) = collectors
@@ -216,7 +258,7 @@ async def test_collector_dead_letters_every_hostile_group_while_good_ones_flow(
         len(hostile),
         "hostile",
         dict(collections.Counter(h.label for h in hostile)),
-        len(good_ids),
+        len(good_keys),
         "good",
     )
 
@@ -224,7 +266,7 @@ async def test_collector_dead_letters_every_hostile_group_while_good_ones_flow(
 # --------------------------------------------------------------------------- the trainer
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(180 * fz.SCALE)
 async def test_trainer_dead_letters_every_hostile_request_and_keeps_answering(nc, js, database_url, tmp_path):
     from artery.services.trainer.service import Trainer
     from artery.services.trainer.settings import TrainerSettings
@@ -263,7 +305,7 @@ async def test_trainer_dead_letters_every_hostile_request_and_keeps_answering(nc
             ci = await js.consumer_info(subjects.TRAINING.name, "trainer")
             return dead >= len(hostile) and answered >= len(good) and ci.num_pending + ci.num_ack_pending == 0
 
-        await wait_for(settled, timeout=90, interval=0.2)
+        await wait_for(settled, timeout=90 * fz.SCALE, interval=0.2)
         letters = await _letters(js, "trainer")
         assert len(letters) == len(hostile)
         assert {letter.stream_seq for letter in letters} == set(by_seq)
@@ -292,7 +334,7 @@ async def test_trainer_dead_letters_every_hostile_request_and_keeps_answering(nc
 # --------------------------------------------------------------------------- request/reply
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(120 * fz.SCALE)
 async def test_control_subjects_answer_and_dead_letter_every_hostile_request(
     nc, js, database_url, common_settings
 ):
@@ -411,7 +453,7 @@ def _openai_error(response: httpx.Response) -> str | None:
     return None
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(120 * fz.SCALE)
 async def test_inference_api_answers_every_hostile_request_with_an_openai_error():
     hostile: list[fz.HostileHttp] = fz.collect(fz.hostile_http_requests(400), 450, at=20260104)
     client, _ = _api()

@@ -132,7 +132,7 @@ async def test_node_publisher_groups_are_stored(node_publisher, stack, js, db, n
         raw = await js.get_msg(subjects.TRAJECTORIES.name, p["seq"])
         assert raw.subject == subjects.trajectories(PROJECT, MODEL)
         headers = raw.headers or {}
-        assert headers.get("Nats-Msg-Id") == p["id"]
+        assert headers.get("Nats-Msg-Id") == f"{PROJECT}.{MODEL}.{p['id']}"
         assert headers.get("Content-Type") == "application/json"
         assert headers.get("Artery-Schema") == "1"
         assert headers.get("Artery-Event") == "trajectory_group"

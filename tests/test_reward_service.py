@@ -117,8 +117,8 @@ async def stored_ruler_group(js, db, run_collector) -> GroupReady:
     await submit(js, run_collector, g)
     await wait_for(lambda: db.fetchval("SELECT count(*) FROM trajectory_groups"))
     return GroupReady(
-        id=ready_event_id(g.id), project=PROJECT, model=MODEL, group_id=g.id, num_trajectories=2,
-        rewards=[t.reward for t in g.trajectories], needs_reward=True,
+        id=ready_event_id(PROJECT, MODEL, g.id), project=PROJECT, model=MODEL, group_id=g.id,
+        num_trajectories=2, rewards=[t.reward for t in g.trajectories], needs_reward=True,
     )  # fmt: skip
 
 
@@ -157,7 +157,7 @@ async def test_scores_are_stored_announced_and_used_by_the_trainer(js, db, run_c
     await submit(js, run_collector, g)
     [scored] = await scored_events(js)
 
-    assert scored.id == scored_event_id(g.id) and scored.group_id == g.id
+    assert scored.id == scored_event_id(PROJECT, MODEL, g.id) and scored.group_id == g.id
     assert [(s.index, s.score, s.judge_score) for s in scored.scores] == [
         (0, 0.9, 0.9),
         (1, 0.1, 0.1),
@@ -222,7 +222,7 @@ async def test_an_answer_that_stays_wrong_dead_letters_the_group(
     await submit(js, run_collector, g)
     [letter] = await dead_letters(js)
     assert letter.kind == "ruler" and reason in letter.reason and "after 2 attempts" in letter.reason
-    assert letter.original_id == ready_event_id(g.id)
+    assert letter.original_id == ready_event_id(PROJECT, MODEL, g.id)
     assert len(judge.requests) == 2
     # The trainer does not wait for it, and leaves it out.
     assert await stored_group_ids(db, PROJECT, MODEL, [g.id]) == {g.id}
@@ -252,7 +252,7 @@ async def test_redelivery_never_calls_the_judge_twice(js, db, run_collector, nc,
 async def test_per_group_judge_rubric_and_combined_reward(js, db, run_collector, run_reward, judge):
     judge.answers = [by_content(0.25, 0.75)]
     await run_collector()
-    await run_reward()
+    await run_reward(allowed_judges="openai/strict-judge")  # a group names only allowed judges
     spec = RulerSpec(
         judge_model="openai/strict-judge", rubric="Prefer short answers.", combine_with_reward=True
     )

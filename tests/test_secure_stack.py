@@ -13,6 +13,7 @@ import stat
 import subprocess
 
 import asyncpg
+import httpx
 import nats
 import pytest
 
@@ -132,6 +133,18 @@ async def test_local_backend_secure_trains_a_step_end_to_end(tmp_path):
         assert result.step == 1 and await model.get_step() == 1
         assert backend.stack.processes[f"inference-{PROJECT}-{MODEL}"].env["ARTERY_NATS_USER"] == "inference"
         assert violations(backend.stack) == []
+        # The rollouts carried the project's inference key; a request without it, or with
+        # another, is refused.
+        (replica,) = await backend.replicas(model)
+        key_file = backend.stack.inference_key_file(PROJECT)
+        assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+        async with httpx.AsyncClient(base_url=replica.url, timeout=30) as http:
+            assert (await http.get("/v1/models")).status_code == 401
+            wrong = {"Authorization": "Bearer another-projects-key"}
+            assert (await http.get("/v1/models", headers=wrong)).status_code == 401
+            right = {"Authorization": f"Bearer {key_file.read_text().strip()}"}
+            served = (await http.get("/v1/models", headers=right)).json()["data"]
+            assert f"{MODEL}@1" in [card["id"] for card in served]
     finally:
         await backend.close()
 
@@ -151,6 +164,8 @@ def test_artery_up_secure_prints_the_agent_credentials(tmp_path):
         line = re.search(rf"agent-{PROJECT}\s+env\s+(.*)", output).group(1)
         agent_env = dict(re.findall(r"(ARTERY_\w+)=(\S+)", line))
         assert agent_env["ARTERY_NATS_USER"] == f"agent-{PROJECT}"
+        key_file = agent_env["ARTERY_INFERENCE_API_KEY_FILE"]  # for its project's replicas
+        assert stat.S_IMODE(os.stat(key_file).st_mode) == 0o600 and len(open(key_file).read().strip()) >= 32
         assert asyncio.run(_publish_as(agent_env)) == []
 
         secrets = home.resolve() / "secrets"

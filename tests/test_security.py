@@ -19,7 +19,7 @@ import asyncpg
 import nats
 import numpy as np
 import pytest
-from nats.js.api import KeyValueConfig
+from nats.js.api import ConsumerConfig, KeyValueConfig
 from safetensors.numpy import save_file
 
 from artery.schemas import CheckpointPublished, CheckpointSaved, TrainRequested, new_event_id
@@ -212,6 +212,22 @@ async def test_agent_publishes_for_its_project_and_nothing_else(secured):
             agent.js.pull_subscribe(stream.subjects[0], durable=durable, stream=stream.name),
         ),
         agent.denied("$JS.API.STREAM.CREATE.", bus.provision(agent.js, secured.settings)),
+        # Stream and consumer administration: another tenant's consumer (a replica lookup in
+        # flight) or stream is never an agent's to remove, empty or change.
+        agent.denied(
+            f"$JS.API.CONSUMER.DELETE.KV_{subjects.REPLICAS_BUCKET}.read_",
+            agent.js.delete_consumer(f"KV_{subjects.REPLICAS_BUCKET}", "read_0123456789abcdef"),
+        ),
+        agent.denied(
+            f"$JS.API.CONSUMER.DELETE.{stream.name}.{durable}", agent.js.delete_consumer(stream.name, durable)
+        ),
+        agent.denied(f"$JS.API.STREAM.DELETE.{stream.name}", agent.js.delete_stream(stream.name)),
+        agent.denied(f"$JS.API.STREAM.PURGE.{stream.name}", agent.js.purge_stream(stream.name)),
+        agent.denied(f"$JS.API.STREAM.MSG.DELETE.{stream.name}", agent.js.delete_msg(stream.name, 1)),
+        agent.denied(
+            f"$JS.API.STREAM.UPDATE.{stream.name}",
+            agent.js.update_stream(bus.stream_config(subjects.TRAJECTORIES, secured.settings)),
+        ),
     )
 
 
@@ -385,7 +401,12 @@ async def test_only_the_publisher_writes_adapters_and_inference_reads_them(secur
     checkpoints = subjects.CHECKPOINTS.name
     await inference.denied(
         f"$JS.API.CONSUMER.CREATE.{checkpoints}",
-        inference.js.subscribe(subjects.checkpoint("published", PROJECT, MODEL), ordered_consumer=True),
+        inference.js.add_consumer(checkpoints, ConsumerConfig(name="spy", deliver_subject="spy")),
+    )
+    # Nor on the adapters' stream: it reads chunks message by message.
+    await inference.denied(
+        f"$JS.API.CONSUMER.CREATE.OBJ_{subjects.ADAPTERS_BUCKET}",
+        inference.js.add_consumer(f"OBJ_{subjects.ADAPTERS_BUCKET}", ConsumerConfig(name="spy")),
     )
 
 

@@ -132,7 +132,8 @@ async function main() {
     for (let index = 0; index < count; index++) {
       const group = buildGroup({ project, model, step, index });
       const h = headers();
-      h.set("Nats-Msg-Id", group.id); // JetStream de-duplication key = the event id
+      // De-duplication key: the event id within its tenant, <project>.<model>.<id>
+      h.set("Nats-Msg-Id", `${group.project}.${group.model}.${group.id}`);
       h.set("Content-Type", "application/json");
       h.set("Artery-Schema", SCHEMA_VERSION);
       h.set("Artery-Event", EVENT_TAG);

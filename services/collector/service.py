@@ -20,7 +20,7 @@ from artery.services.collector.settings import CollectorSettings
 from artery.services.collector.store import StoredGroup, write_groups
 from artery.services.collector.validate import decode_group
 from artery.shared import subjects
-from artery.shared.bus import CONTENT_TYPE, prepare, publish_prepared
+from artery.shared.bus import prepare, publish_prepared
 from artery.shared.consumer import ConsumerOptions, ConsumingService, DurableConsumer
 from artery.shared.db import ServicePool
 from artery.shared.errors import DependencyUnavailable, InvalidMessage
@@ -32,8 +32,9 @@ SERVICE = "collector"
 _READY_NAMESPACE = uuid.UUID("0d3c7f55-2a5e-4b1e-8f3a-726561647921")
 
 
-def ready_event_id(group_id: str) -> str:
-    return str(uuid.uuid5(_READY_NAMESPACE, group_id))
+def ready_event_id(project: str, model: str, group_id: str) -> str:
+    """Derived from the group's key, so a redelivery announces under the same id."""
+    return str(uuid.uuid5(_READY_NAMESPACE, f"{project}/{model}/{group_id}"))
 
 
 class Collector(ConsumingService):
@@ -66,7 +67,7 @@ class Collector(ConsumingService):
                 group = decode_group(
                     msg.subject,
                     msg.data,
-                    (msg.headers or {}).get(CONTENT_TYPE),
+                    msg.headers,
                     max_bytes=self.settings.max_group_bytes,
                     max_trajectories=self.settings.max_trajectories,
                 )
@@ -74,7 +75,7 @@ class Collector(ConsumingService):
                 outcomes[i] = exc
                 continue
             # Only the compact record outlives this iteration (see StoredGroup).
-            valid.append((i, StoredGroup.of(group, msg.metadata.sequence.stream)))
+            valid.append((i, StoredGroup.of(group, msg.metadata.sequence.stream, msg.data)))
         if not valid:
             return outcomes
         try:
@@ -87,24 +88,39 @@ class Collector(ConsumingService):
 
     async def _store_isolating(self, valid: list[tuple[int, StoredGroup]], outcomes: list) -> list:
         """Store the batch; if PostgreSQL rejects its content, store each group alone so that
-        only the group it rejects is dead-lettered (with PostgreSQL's reason), not its batch mates."""
+        only the group it rejects is dead-lettered (with PostgreSQL's reason), not its batch mates.
+        Return the groups that are stored (now or before): those to announce."""
         try:
-            await self._store([item for _, item in valid])
-            return valid
+            return self._without_conflicts(valid, await self._store([item for _, item in valid]), outcomes)
         except asyncpg.exceptions.DataError:
             pass
         stored = []
         for i, item in valid:
             try:
-                await self._store([item])
-                stored.append((i, item))
+                stored += self._without_conflicts([(i, item)], await self._store([item]), outcomes)
             except asyncpg.exceptions.DataError as exc:
                 outcomes[i] = InvalidMessage(
                     "storage", f"PostgreSQL rejected the group: {exc}", original_id=item.id
                 )
         return stored
 
-    async def _store(self, batch: list[StoredGroup]) -> set[str]:
+    @staticmethod
+    def _without_conflicts(
+        valid: list[tuple[int, StoredGroup]], conflicts: dict[int, str], outcomes: list
+    ) -> list[tuple[int, StoredGroup]]:
+        """A different group under a stored group's id is a dead letter, never dropped in silence."""
+        for position, stored_sha256 in conflicts.items():
+            i, item = valid[position]
+            log.warning("conflicting group", group_id=item.id, project=item.project, model=item.model)
+            outcomes[i] = InvalidMessage(
+                "conflict",
+                f"{item.project}/{item.model} already has a different group {item.id!r}: stored body"
+                f" sha256 {stored_sha256}, this one {item.body_sha256}",
+                original_id=item.id,
+            )
+        return [entry for position, entry in enumerate(valid) if position not in conflicts]
+
+    async def _store(self, batch: list[StoredGroup]) -> dict[int, str]:
         async with self.db.connection() as conn:
             return await write_groups(conn, batch)
 
@@ -113,7 +129,7 @@ class Collector(ConsumingService):
         items = []
         for i, g in valid:
             ready = GroupReady(
-                id=ready_event_id(g.id),
+                id=ready_event_id(g.project, g.model, g.id),
                 project=g.project,
                 model=g.model,
                 step=g.step,

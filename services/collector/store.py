@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -11,28 +12,28 @@ import msgspec
 
 from artery.schemas import TrajectoryGroupSubmitted
 
-_json = msgspec.json.Encoder()
+_encode = msgspec.json.Encoder().encode
 
 
-def _encode(value) -> bytes:
-    """JSON for a jsonb column. PostgreSQL's jsonb cannot hold U+0000, which a model can sample
-    (a byte-level token): it is stored as U+FFFD. Only the display text changes; the sampled
-    token ids, which training uses, are kept exactly."""
-    data = _json.encode(value)
-    return data.replace(b"\\u0000", b"\\ufffd") if b"\\u0000" in data else data
-
-
-# One statement for the whole batch: arrays in, the ids that were new out. ON CONFLICT makes a
+# One statement for the whole batch: arrays in, the keys that were new out. ON CONFLICT makes a
 # redelivered group a no-op, and RETURNING tells us which trajectories still need writing.
+# A group's key is (project, model, id): ids are the agents' own (0006_tenant_keys.sql).
 _INSERT_GROUPS = """
 INSERT INTO trajectory_groups (id, project, model, step, split, num_trajectories, num_exceptions,
     reward_mean, needs_reward, submitted_at, stream_seq, metadata, metrics, exceptions, logs,
-    reward_spec)
+    reward_spec, body_sha256)
 SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::int[], $5::text[], $6::int[],
-    $7::int[], $8::float8[], $9::bool[], $10::timestamptz[], $11::bigint[], $12::jsonb[],
-    $13::jsonb[], $14::jsonb[], $15::jsonb[], $16::jsonb[])
-ON CONFLICT (id) DO NOTHING
-RETURNING id
+    $7::int[], $8::float8[], $9::bool[], $10::timestamptz[], $11::bigint[], $12::json[],
+    $13::json[], $14::json[], $15::json[], $16::json[], $17::text[])
+ON CONFLICT (project, model, id) DO NOTHING
+RETURNING project, model, id
+"""
+
+#: What was stored under keys that were not new: a redelivery has the same body hash.
+_STORED_HASHES = """
+SELECT g.project, g.model, g.id, g.body_sha256 FROM trajectory_groups g
+JOIN unnest($1::text[], $2::text[], $3::text[]) AS k(project, model, id)
+    ON g.project = k.project AND g.model = k.model AND g.id = k.id
 """
 
 _INSERT_MODELS = """
@@ -65,6 +66,8 @@ class StoredGroup:
     id: str
     project: str
     model: str
+    #: Of the message as it was published: tells a redelivery from another group under its id.
+    body_sha256: str
     step: int | None
     split: str
     time: dt.datetime
@@ -79,12 +82,20 @@ class StoredGroup:
     logs: bytes
     reward_spec: bytes | None
 
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return (self.project, self.model, self.id)
+
     @classmethod
-    def of(cls, group: TrajectoryGroupSubmitted, stream_seq: int | None) -> StoredGroup:
+    def of(
+        cls, group: TrajectoryGroupSubmitted, stream_seq: int | None, body: bytes | None = None
+    ) -> StoredGroup:
+        """``body`` is the message as published (its JSON encoding when not given)."""
         return cls(
             id=group.id,
             project=group.project,
             model=group.model,
+            body_sha256=hashlib.sha256(_encode(group) if body is None else body).hexdigest(),
             step=group.step,
             split=group.split,
             time=group.time,
@@ -101,14 +112,16 @@ class StoredGroup:
         )
 
 
-async def write_groups(conn: asyncpg.Connection, batch: Sequence[StoredGroup]) -> set[str]:
-    """Store the batch in one transaction; return the ids that were not stored before."""
-    unique: dict[str, StoredGroup] = {}
-    for item in batch:  # the same group twice in one batch is stored once
-        unique.setdefault(item.id, item)
-    groups = list(unique.values())
+async def write_groups(conn: asyncpg.Connection, batch: Sequence[StoredGroup]) -> dict[int, str]:
+    """Store the batch in one transaction. Return the conflicts: for each position in ``batch``
+    whose key was already taken by a different body, the stored body's hash. Every other group
+    is stored now or was before (a redelivery)."""
+    first: dict[tuple[str, str, str], StoredGroup] = {}
+    for item in batch:  # the same key twice in one batch: the first is the one stored
+        first.setdefault(item.key, item)
+    groups = list(first.values())
     if not groups:
-        return set()
+        return {}
     columns = (
         [g.id for g in groups],
         [g.project for g in groups],
@@ -126,20 +139,35 @@ async def write_groups(conn: asyncpg.Connection, batch: Sequence[StoredGroup]) -
         [g.exceptions for g in groups],
         [g.logs for g in groups],
         [g.reward_spec for g in groups],
+        [g.body_sha256 for g in groups],
     )
     async with conn.transaction():
         models = sorted({(g.project, g.model) for g in groups})
         await conn.execute(_INSERT_MODELS, [p for p, _ in models], [m for _, m in models])
-        new_ids = {row["id"] for row in await conn.fetch(_INSERT_GROUPS, *columns)}
+        new = {(r["project"], r["model"], r["id"]) for r in await conn.fetch(_INSERT_GROUPS, *columns)}
         records = [
-            (g.id, idx, reward, body)
+            (g.project, g.model, g.id, idx, reward, body)
             for g in groups
-            if g.id in new_ids
+            if g.key in new
             for idx, (reward, body) in enumerate(zip(g.rewards, g.bodies, strict=True))
         ]
         if records:
             # COPY is the fastest path in; safe because these groups are new in this transaction.
             await conn.copy_records_to_table(
-                "trajectories", records=records, columns=("group_id", "idx", "reward", "body")
+                "trajectories",
+                records=records,
+                columns=("project", "model", "group_id", "idx", "reward", "body"),
             )
-    return new_ids
+        old = [g for g in groups if g.key not in new]
+        stored = {g.key: g.body_sha256 for g in groups if g.key in new}
+        if old:
+            rows = await conn.fetch(
+                _STORED_HASHES, [g.project for g in old], [g.model for g in old], [g.id for g in old]
+            )
+            stored.update({(r["project"], r["model"], r["id"]): r["body_sha256"] for r in rows})
+    # A group stored before hashes were kept (NULL) cannot be told apart: taken as a redelivery.
+    return {
+        i: stored[item.key]
+        for i, item in enumerate(batch)
+        if stored.get(item.key) is not None and stored[item.key] != item.body_sha256
+    }

@@ -1,42 +1,60 @@
 """Turning raw messages into trusted trajectory groups (pure: no NATS, no database).
 
-The schema (msgspec) checks shapes and types; this adds what a type cannot say: finite numbers,
-a subject that matches the payload, sizes within bounds.
+The schema (msgspec) checks shapes, types and bounds (token ids); this adds what a type cannot
+say: finite numbers everywhere (msgpack carries NaN and infinities; stored as JSON they would
+become null), rewards within ``REWARD_LIMIT``, headers and a subject that agree with the payload,
+sizes within bounds. What passes is stored exactly as it was sent; everything else is rejected
+with the reason.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import math
+from collections.abc import Mapping
+from typing import Any
 
-from artery.schemas import TrajectoryGroupSubmitted
+from artery.schemas import SCHEMA_VERSION, TrainRequested, TrajectoryGroupSubmitted
 from artery.shared import subjects
-from artery.shared.codec import EventDecoder
+from artery.shared.codec import CONTENT_TYPE, EVENT_HEADER, SCHEMA_HEADER, EventDecoder
 from artery.shared.errors import InvalidMessage
 
-_decoder = EventDecoder(TrajectoryGroupSubmitted)
+#: The largest reward magnitude a trajectory may carry. Far beyond any sensible reward scale; it
+#: keeps sums, means and variances finite (two rewards of 1.8e308 already sum to infinity).
+REWARD_LIMIT = 1e6
+
+# A tagged union, so that the ``event`` tag is required (msgspec takes a lone tagged struct
+# without its tag): an event of another type is then told apart from a group without a tag.
+_decoder = EventDecoder(TrajectoryGroupSubmitted | TrainRequested)
+_GROUP_TAG = TrajectoryGroupSubmitted.__struct_config__.tag
 
 
 def decode_group(
     subject: str,
     data: bytes,
-    content_type: str | None,
+    headers: Mapping[str, str] | None,
     *,
     max_bytes: int,
     max_trajectories: int,
 ) -> TrajectoryGroupSubmitted:
+    headers = headers or {}
     if len(data) > max_bytes:
         raise InvalidMessage("too_large", f"{len(data)} bytes is more than the limit of {max_bytes}")
     if not data:
         raise InvalidMessage("decode", "empty message")
+    check_headers(headers)
     try:
-        group = _decoder.decode(data, content_type)
+        group = _decoder.decode(data, headers.get(CONTENT_TYPE))
     # msgspec raises these outside its DecodeError; escaping the handler, they failed (and
     # redelivered) the whole batch, good groups included, until all were dead-lettered as poison.
     except UnicodeDecodeError as exc:
         raise InvalidMessage("decode", f"a string is not valid UTF-8: {exc}") from None
     except RecursionError:
         raise InvalidMessage("decode", "nested too deeply to decode") from None
+    if not isinstance(group, TrajectoryGroupSubmitted):
+        raise InvalidMessage(
+            "wrong_event", f"a {type(group).__name__} is not a trajectory group", original_id=group.id
+        )
     names = subjects.parse_trajectories(subject)
     if names != (group.project, group.model):
         raise InvalidMessage(
@@ -60,9 +78,21 @@ def decode_group(
     return group
 
 
+def check_headers(headers: Mapping[str, str]) -> None:
+    """The optional ``Artery-Event`` and ``Artery-Schema`` headers must agree with the payload."""
+    event = headers.get(EVENT_HEADER)
+    if event is not None and event != _GROUP_TAG:
+        raise InvalidMessage("header_mismatch", f"{EVENT_HEADER} {event!r} on a {_GROUP_TAG!r} subject")
+    schema = headers.get(SCHEMA_HEADER)
+    if schema is not None and schema != SCHEMA_VERSION:
+        raise InvalidMessage(
+            "header_mismatch", f"{SCHEMA_HEADER} {schema!r}: this collector reads version {SCHEMA_VERSION!r}"
+        )
+
+
 def check_finite(group: TrajectoryGroupSubmitted) -> None:
-    """NaN and infinities would poison every mean and every advantage downstream; in metadata,
-    PostgreSQL's jsonb cannot hold them and they would come back as null."""
+    """NaN and infinities would poison every mean and every advantage downstream; stored as
+    JSON they would come back as null. Rewards must also lie within ``REWARD_LIMIT``."""
     for i, trajectory in enumerate(group.trajectories):
         if not math.isfinite(trajectory.reward):
             raise InvalidMessage(
@@ -70,6 +100,14 @@ def check_finite(group: TrajectoryGroupSubmitted) -> None:
                 f"trajectories[{i}].reward is {trajectory.reward}",
                 original_id=group.id,
             )
+        if abs(trajectory.reward) > REWARD_LIMIT:
+            raise InvalidMessage(
+                "out_of_range",
+                f"trajectories[{i}].reward is {trajectory.reward}, beyond the limit of ±{REWARD_LIMIT:g}",
+                original_id=group.id,
+            )
+        for t, tool in enumerate(trajectory.tools or ()):
+            _check_finite_tree(tool.function.parameters, f"trajectories[{i}].tools[{t}]", group.id)
         _check_finite_values(trajectory.metrics, f"trajectories[{i}].metrics", group.id)
         _check_finite_values(trajectory.metadata, f"trajectories[{i}].metadata", group.id)
         for m, message in enumerate(trajectory.messages):
@@ -87,6 +125,12 @@ def check_finite(group: TrajectoryGroupSubmitted) -> None:
                 raise InvalidMessage(
                     "non_finite", f"{where}.logprobs has a non-finite value", original_id=group.id
                 )
+            if sample.top_logprobs is not None and not all(
+                math.isfinite(alt.logprob) for position in sample.top_logprobs for alt in position
+            ):
+                raise InvalidMessage(
+                    "non_finite", f"{where}.top_logprobs has a non-finite value", original_id=group.id
+                )
     _check_finite_values(group.metrics, "metrics", group.id)
     _check_finite_values(group.metadata, "metadata", group.id)
 
@@ -95,3 +139,17 @@ def _check_finite_values(values: dict, where: str, group_id: str) -> None:
     for key, value in values.items():
         if isinstance(value, float) and not math.isfinite(value):
             raise InvalidMessage("non_finite", f"{where}[{key!r}] is {value}", original_id=group_id)
+
+
+def _check_finite_tree(value: Any, where: str, group_id: str) -> None:
+    """Free-form JSON (a tool's parameter schema): every float in it, however deep (a loop, not
+    recursion: msgspec decodes deeper nesting than Python's recursion limit)."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, float) and not math.isfinite(item):
+            raise InvalidMessage("non_finite", f"{where} holds {item}", original_id=group_id)
+        if isinstance(item, dict):
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)

@@ -2,8 +2,11 @@
 
 ``POST /v1/chat/completions`` (plain or streamed), ``GET /v1/models``, ``GET /health``. Bodies are
 decoded and encoded with msgspec; every error has OpenAI's shape, ``{"error": {message, type, param,
-code}}``, with the status OpenAI would use (400, 401, 404) plus 503 ``engine_paused`` when the pause
-gate gave up waiting, and 500 ``engine_error`` when the engine failed.
+code}}``, with the status OpenAI would use (400, 401, 404, 413) plus 503 ``engine_paused`` when the
+pause gate gave up waiting, and 500 ``engine_error`` when the engine failed.
+
+A body larger than ``max_body_bytes`` is a 413 before it is read: at once when its
+``Content-Length`` says so, else as soon as the bytes received pass the limit (a chunked body).
 
 A completion runs in an ``inference.chat_completion`` span (SERVER) that continues the caller's
 ``traceparent`` header (the SDK's ``openai_client()`` sends it), until the last streamed chunk.
@@ -22,10 +25,13 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from opentelemetry import trace
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from artery.services.inference.chat import (
     TokenPieces,
     build_choice,
+    check_logit_bias,
     decode_request,
     render_prompt,
     sampling_params,
@@ -41,6 +47,7 @@ from artery.services.inference.openai_types import (
     check_request,
 )
 from artery.services.inference.serving import EnginePaused, ModelNotFound, Resolved, ServingState
+from artery.services.inference.settings import DEFAULT_MAX_BODY_BYTES
 from artery.services.inference.streaming import EngineStream, sse_events
 from artery.shared.logs import get_logger
 from artery.shared.tracing import extract, tracer
@@ -49,7 +56,7 @@ log = get_logger(__name__)
 _tracer = tracer("inference")
 
 
-def create_app(state: ServingState) -> FastAPI:
+def create_app(state: ServingState, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     app = FastAPI(title="Artery inference", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serving = state
     started = int(time.time())
@@ -65,12 +72,26 @@ def create_app(state: ServingState) -> FastAPI:
 
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(ClientDisconnect, _client_gone)
     app.add_exception_handler(Exception, _unexpected_error)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(_authorize)])
 
     @app.get("/health")
     async def health() -> Response:
+        lag = state.checkpoint_lag()
+        if lag is not None:  # unhealthy: behind training for longer than it may be
+            return _json(
+                {
+                    "status": "lagging",
+                    "newest_step": lag.newest_step,
+                    "served_step": lag.served_step,
+                    "behind_s": round(lag.behind_s, 3),
+                    "adapters": state.engine.adapters(),
+                },
+                status=503,
+            )
         status = "paused" if state.is_paused() else "ok"
         return _json({"status": status, "adapters": state.engine.adapters()})
 
@@ -111,7 +132,8 @@ def create_app(state: ServingState) -> FastAPI:
         with _translate_errors():
             state.resolve(request.model)  # an unknown name fails now, not after waiting out a pause
         engine = state.engine
-        prompt = render_prompt(engine.tokenizer, request)
+        check_logit_bias(request, engine.tokenizer)
+        prompt = render_prompt(engine.tokenizer, request, engine.max_context)
         params = sampling_params(request, len(prompt), engine.max_context, state.default_max_tokens)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
 
@@ -152,6 +174,57 @@ def create_app(state: ServingState) -> FastAPI:
 
     app.include_router(v1)
     return app
+
+
+class BodyLimit:
+    """Refuses a request body over ``max_bytes`` with 413, without reading (or keeping) it.
+
+    A declared ``Content-Length`` over the limit is answered before the app runs; otherwise the
+    bytes are counted as the app reads them, and the read that passes the limit raises the 413.
+    The server discards whatever of the body is still to come.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if (_content_length(scope) or 0) > self.max_bytes:
+            error = self._too_large()
+            await _json(error.body, error.status)(scope, receive, send)
+            return
+        received = 0
+
+        async def counted() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise self._too_large()
+            return message
+
+        await self.app(scope, counted, send)
+
+    def _too_large(self) -> ApiError:
+        return ApiError(
+            413,
+            f"The request body is larger than the limit of {self.max_bytes} bytes.",
+            code="request_too_large",
+        )
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:  # the server refuses a malformed one before we see it
+                return None
+    return None
 
 
 async def _ending(chunks: AsyncIterator, span: trace.Span) -> AsyncIterator:
@@ -247,6 +320,13 @@ async def _http_error(_: Request, exc: Exception) -> Response:
     kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
     error = ApiError(exc.status_code, str(exc.detail), type=kind)
     return _json(error.body, exc.status_code, dict(exc.headers or {}))
+
+
+async def _client_gone(http: Request, _: Exception) -> Response:
+    # The client closed its connection before sending the whole body: nobody is left to answer,
+    # and nothing is wrong with us, so one line and no traceback.
+    log.info("client disconnected before sending its whole request", path=http.url.path)
+    return Response(status_code=400)
 
 
 async def _unexpected_error(_: Request, exc: Exception) -> Response:

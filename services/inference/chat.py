@@ -16,6 +16,7 @@ import msgspec
 
 from artery.services.inference.engine.base import Completion, SamplingParams
 from artery.services.inference.openai_types import (
+    ApiError,
     ChatCompletionRequest,
     ChatMessage,
     Choice,
@@ -30,6 +31,15 @@ from artery.shared.chat_template import render_message, render_tools
 
 #: OpenAI's stand-in for a logprob of minus infinity (JSON has no infinities).
 MIN_LOGPROB = -9999.0
+#: More characters of rendered prompt than this many per token of context cannot fit, so such a
+#: prompt is refused without tokenising it (which takes seconds for megabytes). Real text averages
+#: 2-5 characters a token; only long runs of one character (spaces, dashes) reach tens. A heuristic
+#: bound, not a proof: it errs far on the side of letting a prompt through to be counted exactly.
+MAX_CHARS_PER_TOKEN = 32
+
+# msgspec names the place at fault as `$.a[0].b`, `$.a[...]` (a value in an object) or
+# `key` in `$.a` (a key of an object); the param is the path without `$.` and `[...]`.
+_ERROR_PATH = re.compile(r" - at (?:`key` in )?`\$\.?(.*)`$")
 
 
 def decode_request(body: bytes) -> ChatCompletionRequest:
@@ -38,8 +48,9 @@ def decode_request(body: bytes) -> ChatCompletionRequest:
         return msgspec.json.decode(body, type=ChatCompletionRequest)
     except msgspec.ValidationError as exc:
         message = str(exc)
-        path = re.search(r" - at `\$\.?(.*)`$", message)
-        raise invalid_request(message, (path.group(1) or None) if path else None) from None
+        path = _ERROR_PATH.search(message)
+        param = path.group(1).replace("[...]", "") if path else ""
+        raise invalid_request(message, param or None) from None
     except (msgspec.DecodeError, UnicodeDecodeError) as exc:
         raise invalid_request(f"The request body is not valid JSON: {exc}") from None
     except RecursionError:  # raised outside DecodeError for absurdly deep nesting
@@ -67,14 +78,61 @@ def _text(message: ChatMessage, index: int) -> str:
     return "".join(parts)
 
 
-def render_prompt(tokenizer: Any, request: ChatCompletionRequest) -> list[int]:
+def render_prompt(tokenizer: Any, request: ChatCompletionRequest, max_context: int) -> list[int]:
+    """The prompt's token ids; one whose text obviously exceeds ``max_context`` is a 400 before
+    it is tokenised (see ``MAX_CHARS_PER_TOKEN``)."""
+    messages = template_messages(request.messages)
     tools = render_tools(request.tools)
-    kwargs = {**(request.chat_template_kwargs or {}), "add_generation_prompt": True, "tokenize": True}
+    kwargs = {**(request.chat_template_kwargs or {}), "add_generation_prompt": True}
+    limit = max_context * MAX_CHARS_PER_TOKEN
     try:
-        rendered = tokenizer.apply_chat_template(template_messages(request.messages), tools=tools, **kwargs)
+        # What goes in is a cheap first measure; a template may drop some of it (earlier turns'
+        # reasoning), so only the rendered text, rendered once more without tokenising, decides.
+        if _text_length([messages, tools]) > limit:
+            text = tokenizer.apply_chat_template(messages, tools=tools, **{**kwargs, "tokenize": False})
+            if isinstance(text, str) and len(text) > limit:
+                raise _too_long(
+                    f"This model's maximum context length is {max_context} tokens, and your messages "
+                    f"render to {len(text)} characters, more than {max_context} tokens can hold. "
+                    "Please reduce the length of the messages."
+                )
+        rendered = tokenizer.apply_chat_template(messages, tools=tools, **{**kwargs, "tokenize": True})
+    except ApiError:
+        raise
     except Exception as exc:  # a template that raises (roles must alternate...) rejects this request
         raise invalid_request(f"could not apply the chat template: {exc}", "messages") from None
     return _token_ids(rendered)
+
+
+def _text_length(value: Any) -> int:
+    """Characters in every string of a template input (keys aside): a floor on the rendered text
+    when the template writes everything it is given."""
+    total, pending = 0, [value]
+    while pending:  # no recursion: tool parameters may nest as deep as the decoder allows
+        item = pending.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, Mapping):
+            pending.extend(item.values())
+        elif isinstance(item, list | tuple):
+            pending.extend(item)
+    return total
+
+
+def check_logit_bias(request: ChatCompletionRequest, tokenizer: Any) -> None:
+    """``logit_bias`` keys must be ids in the tokenizer's vocabulary (the decoder checked the rest)."""
+    if not request.logit_bias:
+        return
+    try:
+        vocabulary = len(tokenizer)
+    except TypeError:  # a tokenizer that cannot say its size: the decoder's range check stands
+        return
+    outside = sorted(token for token in request.logit_bias if token >= vocabulary)
+    if outside:
+        raise invalid_request(
+            f"`logit_bias` names token id {outside[0]}, outside the vocabulary (ids 0 to {vocabulary - 1})",
+            "logit_bias",
+        )
 
 
 def _token_ids(rendered: Any) -> list[int]:

@@ -1,4 +1,4 @@
-"""Load each published adapter into the engine, newest first for a replica that starts late.
+"""Follow training: load the newest published adapter into the engine, skipping stale steps.
 
 The watcher follows ``checkpoint.published`` and ``checkpoint.deleted`` of its project/model
 through plain NATS subscriptions (the stream's messages are delivered to subscribers as they are
@@ -11,11 +11,22 @@ No JetStream consumer: creating one on ARTERY_CHECKPOINTS (an unnamed ordered co
 itself in the request body) is a permission with which a replica could change the publisher's
 durable consumer; a direct get names its subject, so inference may read this one subject only.
 
-For each event: fetch the archive from the Object Store, verify the announced sha256 (a
-mismatch is logged and skipped, nothing is loaded), unpack it into the local cache, load it as
-``<model>@<step>`` and tell the serving state through ``on_loaded(step, served_name)``. The
-callback sees every load in order and decides what the bare ``<model>`` name points at (the
-highest step, normally; an old step republished to be "served again" arrives later but lower).
+Steps may be published faster than a replica loads them, and retention (keeping one step) then
+deletes each step as the next is published. So events are not handled one by one in arrival
+order: the subscriptions only record them, and one loop loads the newest step not yet loaded,
+skipping the older ones still waiting, then applies the deletions (after the load, so the bare
+``<model>`` name never falls back to the base model in between). A step deleted while it is
+fetched is given up at once (the fetch is cancelled); one deleted before its load starts is not
+loaded. A step that cannot be loaded for good (gone from the Object Store, a sha256 mismatch,
+an unsafe archive) is logged and skipped; a transient failure (NATS away, an engine error) is
+tried again by the next catch-up.
+
+For a load: fetch the archive from the Object Store, verify the announced sha256, unpack it into
+the local cache, load it as ``<model>@<step>`` and tell the serving state through
+``on_loaded(step, served_name)``.
+
+``lag()`` says when the replica has served an older step than the newest published one for
+longer than ``max_lag_s`` (``/health`` turns that into a 503).
 
 Each load runs in an ``inference.load_adapter`` span (``inference.unload_adapter`` for a
 deletion) that continues the trace the event's headers carry: the publisher's, hence the
@@ -28,6 +39,7 @@ import asyncio
 import contextlib
 import inspect
 import shutil
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +52,7 @@ from opentelemetry import trace
 
 from artery.schemas import CheckpointDeleted, CheckpointPublished
 from artery.services.inference.engine.base import Engine
+from artery.services.inference.serving import CheckpointLag
 from artery.shared import subjects
 from artery.shared.adapters import AdapterError, AdapterNotFound, get_adapter, unpack_adapter
 from artery.shared.bus import CONTENT_TYPE
@@ -58,11 +71,10 @@ _FIRST_CATCH_UP_ATTEMPTS = 25
 
 
 @dataclass(frozen=True)
-class _Delivery:
-    """A checkpoint event as received, live or by a catch-up."""
+class _Received:
+    """A decoded checkpoint event and the headers it came with (its trace)."""
 
-    subject: str
-    data: bytes
+    event: CheckpointPublished | CheckpointDeleted
     headers: dict[str, str] | None
 
 
@@ -83,6 +95,8 @@ class CheckpointWatcher:
         fetch_attempts: int = 3,
         retry_delay_s: float = 1.0,
         catch_up_s: float = 10.0,
+        max_lag_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.js = js
         self.project = project
@@ -93,28 +107,73 @@ class CheckpointWatcher:
         self.fetch_attempts = fetch_attempts
         self.retry_delay_s = retry_delay_s
         self.catch_up_s = catch_up_s
-        #: served name -> sha256 of what is loaded under it (a redelivery is not loaded twice).
-        self.loaded: dict[str, str] = {}
-        #: served name -> sha256 of the last published event handled, loaded or refused: what a
-        #: catch-up finds again is not handled again.
-        self._handled: dict[str, str] = {}
+        self.max_lag_s = max_lag_s
+        self._clock = clock
         self._published = subjects.checkpoint("published", project, model)
         self._deleted = subjects.checkpoint("deleted", project, model)
-        self._queue: asyncio.Queue[_Delivery] = asyncio.Queue()
+        #: step -> sha256 of the adapter loaded for it.
+        self._steps: dict[int, str] = {}
+        #: step -> sha256 of the published event dealt with for good (loaded or refused): what a
+        #: catch-up reads again is not handled again.
+        self._settled: dict[int, str] = {}
+        #: Published steps this replica should serve (not deleted, not refused); the newest counts.
+        self._live: set[int] = set()
+        #: Deleted steps: never loaded (again), whatever arrives late.
+        self._gone: set[int] = set()
+        #: step -> its newest published event not handled yet; the loop takes the highest.
+        self._pending: dict[int, _Received] = {}
+        #: step -> its deletion, applied after the next load.
+        self._deletions: dict[int, _Received] = {}
+        self._fetching: tuple[int, asyncio.Task] | None = None
+        self._behind_since: float | None = None
+        self._wake = asyncio.Event()
+        self._stopping = asyncio.Event()
         self._subs: list = []
         self._tasks: list[asyncio.Task] = []
 
+    @property
+    def loaded(self) -> dict[str, str]:
+        """Served name -> sha256 of what is loaded under it."""
+        return {served_name(self.model, step): sha for step, sha in self._steps.items()}
+
+    @property
+    def newest_step(self) -> int | None:
+        """The newest published step this replica knows of and should serve."""
+        return max(self._live, default=None)
+
+    @property
+    def served_step(self) -> int:
+        """The newest step loaded; 0 when only the base model is served."""
+        return max(self._steps, default=0)
+
+    def lag(self) -> CheckpointLag | None:
+        """How far behind training this replica is, once it has been behind for over ``max_lag_s``."""
+        if self._behind_since is None:
+            return None
+        behind_s = self._clock() - self._behind_since
+        if behind_s <= self.max_lag_s:
+            return None
+        newest = self.newest_step or 0
+        return CheckpointLag(newest_step=newest, served_step=self.served_step, behind_s=behind_s)
+
     async def start(self) -> None:
+        self._stopping.clear()
         nc = self.js._nc  # the client the context was made from
-        # The callbacks only enqueue: loading takes seconds, and one slow callback would hold up
+        # The callbacks only record: loading takes seconds, and one slow callback would hold up
         # every other subscription of the connection.
-        for subject in (self._published, self._deleted):
-            self._subs.append(await nc.subscribe(subject, cb=self._enqueue))
+        self._subs = [
+            await nc.subscribe(self._published, cb=self._on_published),
+            await nc.subscribe(self._deleted, cb=self._on_deleted),
+        ]
         # After subscribing: an event published in between is read twice, and loaded once.
         await self._first_catch_up()
         self._tasks = [asyncio.create_task(self._run()), asyncio.create_task(self._keep_catching_up())]
 
     async def stop(self) -> None:
+        # The loops end on ``_stopping`` too, not on cancellation alone: a cancel that lands as a
+        # nats-py request's reply arrives can be swallowed inside it (asyncio.wait_for on 3.11).
+        self._stopping.set()
+        self._wake.set()
         for sub in self._subs:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
@@ -125,8 +184,46 @@ class CheckpointWatcher:
                 await task
         self._tasks = []
 
-    async def _enqueue(self, msg) -> None:
-        self._queue.put_nowait(_Delivery(msg.subject, msg.data, msg.headers))
+    # -- what arrives ------------------------------------------------------------------------
+
+    async def _on_published(self, msg) -> None:
+        self._offer(msg.data, msg.headers, live=True)
+
+    async def _on_deleted(self, msg) -> None:
+        try:
+            event = _deleted_decoder.decode(msg.data, (msg.headers or {}).get(CONTENT_TYPE))
+        except InvalidMessage as exc:
+            log.error("unreadable checkpoint.deleted; skipped", error=str(exc))
+            return
+        if event.step is None:
+            return
+        self._gone.add(event.step)
+        self._live.discard(event.step)
+        self._pending.pop(event.step, None)
+        self._deletions[event.step] = _Received(event, msg.headers)
+        if self._fetching is not None and self._fetching[0] == event.step:
+            self._fetching[1].cancel()  # its chunks are being purged: waiting serves nothing
+        self._track_lag()
+        self._wake.set()
+
+    def _offer(self, data: bytes, headers: dict[str, str] | None, *, live: bool) -> None:
+        """Record a published event for the loop, unless it was dealt with already."""
+        try:
+            event = _decoder.decode(data, (headers or {}).get(CONTENT_TYPE))
+        except InvalidMessage as exc:
+            if live:  # a catch-up reads the same bytes again: said once is enough
+                log.error("unreadable checkpoint.published; skipped", error=str(exc))
+            return
+        if event.step is None:
+            if live:
+                log.error("checkpoint.published without a step; skipped", object_name=event.object_name)
+            return
+        if event.step in self._gone or self._settled.get(event.step) == event.sha256:
+            return
+        self._live.add(event.step)
+        self._pending[event.step] = _Received(event, headers)
+        self._track_lag()
+        self._wake.set()
 
     async def _first_catch_up(self) -> None:
         """The newest adapter at once; a stream provisioned a moment ago may not answer direct
@@ -142,119 +239,154 @@ class CheckpointWatcher:
                 await asyncio.sleep(0.2)
 
     async def _catch_up(self) -> None:
-        """Queue the last published event, unless it was handled already."""
         try:
             last = await self.js.get_last_msg(subjects.CHECKPOINTS.name, self._published, direct=True)
         except NotFoundError:
             return  # nothing published yet
-        try:
-            event = _decoder.decode(last.data, (last.headers or {}).get(CONTENT_TYPE))
-        except InvalidMessage:
-            return  # _run logs it when it arrives live
-        if event.step is not None and self._handled.get(served_name(self.model, event.step)) == event.sha256:
-            return
-        self._queue.put_nowait(_Delivery(self._published, last.data, last.headers))
+        self._offer(last.data, last.headers, live=False)
 
     async def _keep_catching_up(self) -> None:
-        while True:
-            await asyncio.sleep(self.catch_up_s)
+        while not self._stopping.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), self.catch_up_s)
+                return
             try:
                 await self._catch_up()
             except Exception as exc:  # NATS away: the next round tries again
                 log.warning("checkpoint catch-up failed", error=repr(exc))
 
+    # -- the loop ----------------------------------------------------------------------------
+
     async def _run(self) -> None:
-        while True:
-            delivery = await self._queue.get()
-            deleted = delivery.subject == self._deleted
-            content_type = (delivery.headers or {}).get(CONTENT_TYPE)
-            try:
-                with continue_trace(
-                    _tracer,
-                    "inference.unload_adapter" if deleted else "inference.load_adapter",
-                    delivery.headers,
-                    attributes={"artery.project": self.project, "artery.model": self.model},
-                ):
-                    if deleted:
-                        await self.handle_deleted(delivery.data, content_type)
-                    else:
-                        await self.handle(delivery.data, content_type)
-            except Exception:  # one bad checkpoint must not stop the replica following the next
-                log.exception("checkpoint handling failed", subject=delivery.subject)
+        while not self._stopping.is_set():
+            if not self._pending and not self._deletions:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            if self._pending:
+                step, received = self._take_newest()
+                await self._handle(received, "inference.load_adapter", self._load(step, received.event))
+            deletions, self._deletions = self._deletions, {}
+            for step, received in sorted(deletions.items()):
+                await self._handle(received, "inference.unload_adapter", self._unload(step, received.event))
 
-    async def handle_deleted(self, data: bytes, content_type: str | None = None) -> str | None:
-        """Process one ``checkpoint.deleted``: unload that step; the served name when it was loaded."""
-        try:
-            event = _deleted_decoder.decode(data, content_type)
-        except InvalidMessage as exc:
-            log.error("unreadable checkpoint.deleted; skipped", error=str(exc))
-            return None
-        if event.step is None:
-            return None
-        name = served_name(self.model, event.step)
-        if name not in self.loaded:
-            return None
-        await self.engine.unload_adapter(name)
-        del self.loaded[name]
-        await asyncio.to_thread(shutil.rmtree, self.cache_dir / f"step-{event.step}", True)
-        log.info("adapter unloaded", served_name=name, reason=event.reason)
-        return name
+    def _take_newest(self) -> tuple[int, _Received]:
+        """The highest pending step; the lower ones are skipped (training has moved past them)."""
+        step = max(self._pending)
+        received = self._pending.pop(step)
+        if self._pending:
+            log.info("stale steps skipped; loading the newest", skipped=sorted(self._pending), step=step)
+            self._pending.clear()
+        return step, received
 
-    async def handle(self, data: bytes, content_type: str | None = None) -> str | None:
-        """Process one ``checkpoint.published``; the served name when it was loaded, else None."""
+    async def _handle(self, received: _Received, span_name: str, work: Awaitable[object]) -> None:
         try:
-            event = _decoder.decode(data, content_type)
-        except InvalidMessage as exc:
-            log.error("unreadable checkpoint.published; skipped", error=str(exc))
-            return None
-        if event.step is None:
-            log.error("checkpoint.published without a step; skipped", object_name=event.object_name)
-            return None
-        name = served_name(self.model, event.step)
-        span = trace.get_current_span()
-        span.set_attribute("artery.step", event.step)
-        span.set_attribute("artery.served_name", name)
+            with continue_trace(
+                _tracer,
+                span_name,
+                received.headers,
+                attributes={
+                    "artery.project": self.project,
+                    "artery.model": self.model,
+                    "artery.step": received.event.step,
+                },
+            ):
+                await work
+        except Exception:  # one bad checkpoint must not stop the replica following the next
+            log.exception("checkpoint handling failed", step=received.event.step)
+        self._track_lag()
+
+    async def _load(self, step: int, event: CheckpointPublished) -> str | None:
+        """Load one published step; the served name when it is loaded, else None."""
+        name = served_name(self.model, step)
+        trace.get_current_span().set_attribute("artery.served_name", name)
         if event.served_name != name:
             log.warning(
                 "served_name differs from <model>@<step>; using the latter", announced=event.served_name
             )
-        self._handled[name] = event.sha256
-        if self.loaded.get(name) == event.sha256:
-            span.set_attribute("artery.already_loaded", True)
-            return name  # the same adapter again (read live and by a catch-up)
-        archive = await self._fetch(event.object_name)
+        if self._steps.get(step) == event.sha256:
+            self._settled[step] = event.sha256
+            return name  # the same adapter again
+        archive = await self._fetch(step, event.object_name)
         if archive is None:
+            self._refuse(step, event.sha256)
             return None
         try:
-            path = await asyncio.to_thread(
-                unpack_adapter, archive, self.cache_dir / f"step-{event.step}", event.sha256
-            )
+            dest = self.cache_dir / f"step-{step}"
+            path = await asyncio.to_thread(unpack_adapter, archive, dest, event.sha256)
         except AdapterError as exc:
             log.error("adapter refused; not loaded", served_name=name, error=str(exc))
+            self._refuse(step, event.sha256)
             return None
-        if name in self.loaded:  # a step re-published with other bytes: replace what is served
+        if step in self._gone:  # deleted while it was unpacked
+            log.info("adapter deleted before it was loaded; skipped", served_name=name)
+            await asyncio.to_thread(shutil.rmtree, path, True)
+            return None
+        if step in self._steps:  # a step re-published with other bytes: replace what is served
             with contextlib.suppress(Exception):
                 await self.engine.unload_adapter(name)
         await self.engine.load_adapter(name, path)
-        self.loaded[name] = event.sha256
+        self._steps[step] = self._settled[step] = event.sha256
+        self._track_lag()
         log.info("adapter loaded", served_name=name, sha256=event.sha256)
-        result = self.on_loaded(event.step, name)
+        result = self.on_loaded(step, name)
         if inspect.isawaitable(result):
             await result
         return name
 
-    async def _fetch(self, object_name: str) -> bytes | None:
+    def _refuse(self, step: int, sha256: str) -> None:
+        """Dealt with for good without loading: not served, so nobody waits on it either."""
+        self._settled[step] = sha256
+        self._live.discard(step)
+
+    async def _unload(self, step: int, event: CheckpointDeleted) -> str | None:
+        """Unload a deleted step; the served name when it was loaded."""
+        name = served_name(self.model, step)
+        if step not in self._steps:
+            return None
+        await self.engine.unload_adapter(name)
+        del self._steps[step]
+        await asyncio.to_thread(shutil.rmtree, self.cache_dir / f"step-{step}", True)
+        log.info("adapter unloaded", served_name=name, reason=event.reason)
+        return name
+
+    async def _fetch(self, step: int, object_name: str) -> bytes | None:
+        """The archive; None when it is gone or refused for good; raises when NATS kept failing.
+
+        The fetch runs as a task of its own so that a ``checkpoint.deleted`` of this step cancels
+        it (``_on_deleted``), whatever it is waiting for.
+        """
         for attempt in range(1, self.fetch_attempts + 1):
-            try:
-                return await get_adapter(self.js, object_name)
-            except AdapterNotFound as exc:  # retention removed it, or it never arrived
-                log.error("adapter not in the object store; skipped", error=str(exc))
+            if step in self._gone:
                 return None
-            except AdapterError as exc:
+            task = asyncio.create_task(get_adapter(self.js, object_name))
+            self._fetching = (step, task)
+            try:
+                await asyncio.wait({task})
+            finally:
+                self._fetching = None
+                task.cancel()  # only does something when this watcher is stopped meanwhile
+            if task.cancelled():
+                log.info("adapter deleted while it was fetched; skipped", object_name=object_name)
+                return None
+            exc = task.exception()
+            if exc is None:
+                return task.result()
+            if isinstance(exc, AdapterNotFound):  # retention removed it, or it never arrived
+                log.warning("adapter not in the object store; skipped", error=str(exc))
+                return None
+            if isinstance(exc, AdapterError):
                 log.error("adapter refused; skipped", error=str(exc))
                 return None
-            except Exception as exc:  # a NATS hiccup: try again shortly
-                log.warning("adapter fetch failed", object_name=object_name, attempt=attempt, error=repr(exc))
-                if attempt < self.fetch_attempts:
-                    await asyncio.sleep(self.retry_delay_s * attempt)
+            log.warning("adapter fetch failed", object_name=object_name, attempt=attempt, error=repr(exc))
+            if attempt == self.fetch_attempts:
+                raise exc  # not settled: the next catch-up tries again
+            await asyncio.sleep(self.retry_delay_s * attempt)
         return None
+
+    def _track_lag(self) -> None:
+        newest = self.newest_step
+        if newest is None or self.served_step >= newest:
+            self._behind_since = None
+        elif self._behind_since is None:
+            self._behind_since = self._clock()

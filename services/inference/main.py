@@ -19,6 +19,7 @@ from artery.services.inference.pause import PauseGate
 from artery.services.inference.serving import ServingState
 from artery.services.inference.settings import PREFIX, InferenceSettings
 from artery.shared import bus
+from artery.shared.auth import secret_value
 from artery.shared.logs import get_logger
 from artery.shared.models import limit_torch_threads, resolve_base_model
 from artery.shared.runtime import connect_service, run_service
@@ -61,10 +62,12 @@ async def start(common: CommonSettings, stop: asyncio.Event) -> None:
         settings.model,
         admit=gate.admit,
         is_paused=lambda: gate.paused,
-        api_key=settings.api_key,
+        api_key=secret_value(settings.api_key, settings.api_key_file, f"{PREFIX}API_KEY"),
         default_max_tokens=settings.default_max_tokens,
     )
-    server, server_task, port = await serve_http(create_app(state), settings.host, settings.port)
+    server, server_task, port = await serve_http(
+        create_app(state, max_body_bytes=settings.max_body_bytes), settings.host, settings.port
+    )
     url = settings.public_url or f"http://{settings.host}:{port}"
 
     nc = await connect_service("inference", common)
@@ -75,7 +78,16 @@ async def start(common: CommonSettings, stop: asyncio.Event) -> None:
         log.info("serving adapter", step=step, name=name)
         await registry.beat()  # clients waiting for this step read it from the registry now
 
-    watcher = CheckpointWatcher(js, settings.project, settings.model, engine, on_loaded, cache_dir=cache_dir)
+    watcher = CheckpointWatcher(
+        js,
+        settings.project,
+        settings.model,
+        engine,
+        on_loaded,
+        cache_dir=cache_dir,
+        max_lag_s=settings.max_checkpoint_lag_s,
+    )
+    state.checkpoint_lag = watcher.lag
 
     def advertised() -> list[str]:
         # The engine serves an adapter a moment before the watcher has finished with it (logged,

@@ -36,8 +36,8 @@ class ContentPart(Request, kw_only=True):
 
 class RequestFunctionCall(Request, kw_only=True):
     name: str
-    #: A JSON string, as OpenAI sends it; some clients send the object itself.
-    arguments: str | dict[str, Any] = "{}"
+    #: A JSON string, as OpenAI requires: an object is a 400 naming this field, as OpenAI answers it.
+    arguments: str = "{}"
 
 
 class RequestToolCall(Request, kw_only=True):
@@ -83,6 +83,32 @@ class StreamOptions(Request, kw_only=True):
     include_usage: bool = False
 
 
+class TextFormat(Request, kw_only=True, tag_field="type", tag="text"):
+    pass
+
+
+class JsonObjectFormat(Request, kw_only=True, tag_field="type", tag="json_object"):
+    pass
+
+
+class JsonSchema(Request, kw_only=True):
+    name: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class JsonSchemaFormat(Request, kw_only=True, tag_field="type", tag="json_schema"):
+    json_schema: JsonSchema
+
+
+#: OpenAI's ``response_format``, told apart by ``type``.
+ResponseFormat = TextFormat | JsonObjectFormat | JsonSchemaFormat
+#: A token id as a ``logit_bias`` key (JSON object keys are strings of digits); checked against
+#: the tokenizer's vocabulary once the request is decoded.
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
+
+
 class ChatCompletionRequest(Request, kw_only=True):
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
     model: str
@@ -103,6 +129,12 @@ class ChatCompletionRequest(Request, kw_only=True):
     user: str | None = None
     #: vLLM's extension: extra variables for the chat template (``{"enable_thinking": false}``).
     chat_template_kwargs: dict[str, Any] | None = None
+    # Range-checked as OpenAI does, so that a client learns of a value out of range (1e308) from a
+    # 400 naming it. The engines do not apply these yet (``SamplingParams`` has no such fields).
+    frequency_penalty: Annotated[float, msgspec.Meta(ge=-2, le=2)] | None = None
+    presence_penalty: Annotated[float, msgspec.Meta(ge=-2, le=2)] | None = None
+    logit_bias: dict[TokenId, Annotated[float, msgspec.Meta(ge=-100, le=100)]] | None = None
+    response_format: ResponseFormat | None = None
 
     @property
     def completion_limit(self) -> int | None:

@@ -43,6 +43,16 @@ async def admit_immediately() -> AsyncIterator[None]:
 
 
 @dataclass(frozen=True)
+class CheckpointLag:
+    """The replica has served an older step than the newest published one for too long."""
+
+    newest_step: int
+    #: The newest step loaded; 0 while only the base model is served.
+    served_step: int
+    behind_s: float
+
+
+@dataclass(frozen=True)
 class Resolved:
     #: The concrete name that answered, ``<model>@<step>``; responses carry it in ``model``.
     served_name: str
@@ -51,7 +61,8 @@ class Resolved:
 
 
 class ServingState:
-    """Everything ``create_app`` needs; ``admit``, ``is_paused`` and ``api_key`` may be replaced later."""
+    """Everything ``create_app`` needs; ``admit``, ``is_paused``, ``checkpoint_lag`` and ``api_key``
+    may be replaced later."""
 
     def __init__(
         self,
@@ -60,6 +71,7 @@ class ServingState:
         *,
         admit: AdmitHook = admit_immediately,
         is_paused: Callable[[], bool] = lambda: False,
+        checkpoint_lag: Callable[[], CheckpointLag | None] = lambda: None,
         api_key: str | None = None,
         default_max_tokens: int = 4096,
     ) -> None:
@@ -67,6 +79,8 @@ class ServingState:
         self.model = model
         self.admit = admit
         self.is_paused = is_paused
+        #: Not None while the replica lags behind training: ``/health`` is then a 503.
+        self.checkpoint_lag = checkpoint_lag
         #: When set, every ``/v1`` request needs ``Authorization: Bearer <api_key>``.
         self.api_key = api_key
         #: Completion budget when a request sets no ``max_tokens`` (capped by the room left).

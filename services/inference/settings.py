@@ -13,6 +13,10 @@ from artery.schemas.base import NAME_PATTERN
 from artery.shared.settings import doc
 
 PREFIX = "ARTERY_INFERENCE_"
+#: A long multi-turn request at a 128k-token context is about 0.5-1.5 MB of JSON (3-6 bytes a token,
+#: escapes and tools included): 8 MiB leaves room for that several times over, and anything larger is
+#: refused before it is read, so no body bigger than this is ever held or tokenised.
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 
 
 def default_replica_id() -> str:
@@ -32,6 +36,12 @@ class InferenceSettings(msgspec.Struct, kw_only=True, frozen=True):
         None
     )
     api_key: Annotated[str | None, doc("require `Authorization: Bearer <key>` on /v1")] = None
+    api_key_file: Annotated[
+        str | None, doc("file holding the API key (a secure stack's per-project key, docker secrets)")
+    ] = None
+    max_body_bytes: Annotated[
+        int, doc("largest request body accepted; a larger one gets 413 before it is read", ge=1024)
+    ] = DEFAULT_MAX_BODY_BYTES
     max_batch_size: Annotated[int, doc("sequences decoded together (transformers engine)", ge=1)] = 16
     default_max_tokens: Annotated[int, doc("completion length when a request sets none", ge=1)] = 1024
     max_pause_wait_s: Annotated[float, doc("how long a request waits while paused before a 503", gt=0)] = (
@@ -45,6 +55,10 @@ class InferenceSettings(msgspec.Struct, kw_only=True, frozen=True):
         default_factory=default_replica_id
     )
     adapter_cache_dir: Annotated[str | None, doc("where fetched adapters are unpacked")] = None
+    max_checkpoint_lag_s: Annotated[
+        float,
+        doc("longest time serving an older step than the newest published before /health is 503", gt=0),
+    ] = 60.0
     torch_threads: Annotated[
         int,
         doc("CPU threads torch may use (0: torch's default, every core); set it when sharing cores", ge=0),

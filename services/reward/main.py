@@ -24,7 +24,12 @@ async def start(common: CommonSettings, stop: asyncio.Event) -> None:
     await migrate_when_ready(common.database_url)
     service = RewardService(nc, common.database_url, settings)
     await service.start()
-    log.info("ready", judge_model=settings.judge_model, judge_api_base=settings.judge_api_base)
+    log.info(
+        "ready",
+        judge_model=settings.judge_model,
+        judge_api_base=settings.judge_api_base,
+        allowed_judges=sorted(settings.allowed_judge_models()),
+    )
     task = asyncio.create_task(service.run())
     await stop.wait()
     service.stop()

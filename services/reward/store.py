@@ -34,10 +34,19 @@ class Verdict:
     rows: list[tuple[int, float, float, float, str]]
 
 
-async def load_group(conn: asyncpg.Connection, group_id: str) -> GroupToScore | None:
-    spec = await conn.fetchval("SELECT reward_spec::text FROM trajectory_groups WHERE id = $1", group_id)
+#: (project, model, group id): group ids are the agents' own, unique only within a model.
+GroupKey = tuple[str, str, str]
+
+
+async def load_group(conn: asyncpg.Connection, key: GroupKey) -> GroupToScore | None:
+    group_id = key[2]
+    spec = await conn.fetchval(
+        "SELECT reward_spec::text FROM trajectory_groups WHERE project = $1 AND model = $2 AND id = $3", *key
+    )
     rows = await conn.fetch(
-        "SELECT body::text AS body FROM trajectories WHERE group_id = $1 ORDER BY idx", group_id
+        "SELECT body::text AS body FROM trajectories"
+        " WHERE project = $1 AND model = $2 AND group_id = $3 ORDER BY idx",
+        *key,
     )
     if not rows:
         return None
@@ -48,14 +57,17 @@ async def load_group(conn: asyncpg.Connection, group_id: str) -> GroupToScore | 
     )
 
 
-async def stored_verdict(conn: asyncpg.Connection, group_id: str) -> Verdict | None:
-    head = await conn.fetchrow("SELECT * FROM group_rewards WHERE group_id = $1", group_id)
+_OF_GROUP = "project = $1 AND model = $2 AND group_id = $3"
+
+
+async def stored_verdict(conn: asyncpg.Connection, key: GroupKey) -> Verdict | None:
+    head = await conn.fetchrow(f"SELECT * FROM group_rewards WHERE {_OF_GROUP}", *key)
     if head is None:
         return None
     rows = await conn.fetch(
         "SELECT idx, reward, judge_score, independent_reward, explanation FROM trajectory_rewards"
-        " WHERE group_id = $1 ORDER BY idx",
-        group_id,
+        f" WHERE {_OF_GROUP} ORDER BY idx",
+        *key,
     )
     return Verdict(
         judge_model=head["judge_model"],
@@ -69,16 +81,16 @@ async def stored_verdict(conn: asyncpg.Connection, group_id: str) -> Verdict | N
 
 
 async def record_verdict(
-    conn: asyncpg.Connection, group_id: str, verdict: Verdict, rubric: str | None
+    conn: asyncpg.Connection, key: GroupKey, verdict: Verdict, rubric: str | None
 ) -> Verdict:
     """Store ``verdict`` unless one is already there (a redelivery, or another replica won the
     race); return the one that is stored, so every replica announces the same rewards."""
     async with conn.transaction():
         inserted = await conn.fetchval(
-            "INSERT INTO group_rewards (group_id, judge_model, rubric, error, attempts, prompt_tokens,"
-            " completion_tokens, cost_usd) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)"
-            " ON CONFLICT (group_id) DO NOTHING RETURNING group_id",
-            group_id,
+            "INSERT INTO group_rewards (project, model, group_id, judge_model, rubric, error, attempts,"
+            " prompt_tokens, completion_tokens, cost_usd) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)"
+            " ON CONFLICT (project, model, group_id) DO NOTHING RETURNING group_id",
+            *key,
             verdict.judge_model,
             rubric,
             verdict.error,
@@ -88,13 +100,13 @@ async def record_verdict(
             verdict.cost_usd,
         )
         if inserted is None:
-            stored = await stored_verdict(conn, group_id)
+            stored = await stored_verdict(conn, key)
             assert stored is not None  # the conflicting row is committed: we saw it conflict
             return stored
         if verdict.rows:
             await conn.executemany(
-                "INSERT INTO trajectory_rewards (group_id, idx, reward, judge_score, independent_reward,"
-                " explanation) VALUES ($1, $2, $3, $4, $5, $6)",
-                [(group_id, *row) for row in verdict.rows],
+                "INSERT INTO trajectory_rewards (project, model, group_id, idx, reward, judge_score,"
+                " independent_reward, explanation) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+                [(*key, *row) for row in verdict.rows],
             )
     return verdict

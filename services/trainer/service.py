@@ -25,7 +25,6 @@ from pathlib import Path
 import msgspec
 import nats
 from nats.aio.msg import Msg
-from nats.js.errors import KeyNotFoundError
 from opentelemetry import trace
 
 from artery.schemas import (
@@ -46,6 +45,7 @@ from artery.shared.control_client import PauseFailed, paused
 from artery.shared.db import ServicePool
 from artery.shared.errors import DependencyUnavailable, InvalidMessage
 from artery.shared.logs import get_logger
+from artery.shared.registry import read_record
 from artery.shared.tracing import continue_trace, extract_links, tracer
 
 log = get_logger(__name__)
@@ -53,7 +53,6 @@ SERVICE = "trainer"
 TRAINER_CONSUMER = "trainer"
 _IDS = uuid.UUID("5b2d8f0e-6a1c-4f4e-9d55-747261696e21")
 _decoder = EventDecoder(TrainRequested)
-_record = msgspec.json.Decoder(ModelRecord)
 
 
 def derived_id(kind: str, request_id: str) -> str:
@@ -164,9 +163,16 @@ class Trainer(ConsumingService):
 
     async def handle(self, request: TrainRequested) -> TrainCompleted | TrainFailed:
         async with self.db.connection() as conn:
-            done = await completed_step(conn, request.id)
+            done = await completed_step(conn, request.project, request.model, request.id)
         if done is not None:  # a redelivery: answer again, train nothing
-            step, metrics = done
+            step, metrics, group_ids = done
+            if group_ids != list(request.group_ids):  # another request under a used id
+                raise InvalidMessage(
+                    "conflict",
+                    f"request {request.id!r} already trained step {step} on other groups"
+                    f" ({len(group_ids)} of them)",
+                    original_id=request.id,
+                )
             # A crash between recording the step and advancing the registry left it behind.
             await self._advance_registry(request, step)
             return await self._complete(request, step, metrics)
@@ -178,16 +184,16 @@ class Trainer(ConsumingService):
         return await self._train(request, record, groups)
 
     async def _model_record(self, request: TrainRequested) -> ModelRecord:
-        kv = await self.js.key_value(subjects.MODELS_BUCKET)
-        try:
-            entry = await kv.get(subjects.model_key(request.project, request.model))
-        except KeyNotFoundError:
+        found = await read_record(
+            await self.js.key_value(subjects.MODELS_BUCKET), request.project, request.model
+        )
+        if found is None:  # never registered, or its record is not valid (an agent writes it)
             raise InvalidMessage(
                 "unknown_model",
-                f"{request.project}/{request.model} is not registered",
+                f"{request.project}/{request.model} is not registered (or its record is not valid)",
                 original_id=request.id,
-            ) from None
-        record = _record.decode(entry.value)
+            )
+        record = found.record
         if not record.trainable or not record.base_model:
             raise InvalidMessage(
                 "not_trainable",
@@ -302,13 +308,16 @@ class Trainer(ConsumingService):
         kv = await self.js.key_value(subjects.MODELS_BUCKET)
         key = subjects.model_key(request.project, request.model)
         for _ in range(10):
-            entry = await kv.get(key)
-            record = _record.decode(entry.value)
-            if record.step >= step:
+            found = await read_record(kv, request.project, request.model)
+            if found is None:  # deleted or overwritten with garbage since: nothing to advance
+                return
+            if found.record.step >= step:
                 return
             try:
                 await kv.update(
-                    key, msgspec.json.encode(msgspec.structs.replace(record, step=step)), entry.revision
+                    key,
+                    msgspec.json.encode(msgspec.structs.replace(found.record, step=step)),
+                    found.revision,
                 )
                 return
             except Exception:  # someone wrote in between: read again

@@ -17,11 +17,13 @@ async def stored_group_ids(
     conn: asyncpg.Connection, project: str, model: str, group_ids: Sequence[str]
 ) -> set[str]:
     """The model's groups that are ready to train on: stored, and judged when they asked for a
-    judge (a verdict row exists, scores or error). Another model's group ids never are."""
+    judge (a verdict row exists, scores or error). Group ids are the agents' own, unique only
+    within a model: another model's groups are never found."""
     rows = await conn.fetch(
         "SELECT g.id FROM trajectory_groups g WHERE g.id = ANY($1::text[])"
         " AND g.project = $2 AND g.model = $3"
-        " AND (NOT g.needs_reward OR EXISTS (SELECT 1 FROM group_rewards r WHERE r.group_id = g.id))",
+        " AND (NOT g.needs_reward OR EXISTS (SELECT 1 FROM group_rewards r"
+        " WHERE r.project = g.project AND r.model = g.model AND r.group_id = g.id))",
         list(group_ids),
         project,
         model,
@@ -41,16 +43,20 @@ async def load_groups(
     unscored = {
         r["group_id"]
         for r in await conn.fetch(
-            "SELECT group_id FROM group_rewards WHERE group_id = ANY($1::text[]) AND error IS NOT NULL",
+            "SELECT group_id FROM group_rewards WHERE group_id = ANY($1::text[])"
+            " AND project = $2 AND model = $3 AND error IS NOT NULL",
             list(group_ids),
+            project,
+            model,
         )
     }
     rows = await conn.fetch(
         "SELECT t.group_id, t.idx, t.body::text AS body, r.reward AS judged, r.judge_score,"
         " r.independent_reward FROM trajectories t"
-        " JOIN trajectory_groups g ON g.id = t.group_id AND g.project = $2 AND g.model = $3"
-        " LEFT JOIN trajectory_rewards r ON r.group_id = t.group_id AND r.idx = t.idx"
-        " WHERE t.group_id = ANY($1::text[]) ORDER BY t.group_id, t.idx",
+        " LEFT JOIN trajectory_rewards r ON r.project = t.project AND r.model = t.model"
+        " AND r.group_id = t.group_id AND r.idx = t.idx"
+        " WHERE t.project = $2 AND t.model = $3 AND t.group_id = ANY($1::text[])"
+        " ORDER BY t.group_id, t.idx",
         list(group_ids),
         project,
         model,
@@ -73,11 +79,19 @@ async def load_groups(
     return [by_group[gid] for gid in group_ids if gid in by_group]
 
 
-async def completed_step(conn: asyncpg.Connection, request_id: str) -> tuple[int, dict] | None:
+async def completed_step(
+    conn: asyncpg.Connection, project: str, model: str, request_id: str
+) -> tuple[int, dict, list[str]] | None:
+    """The step a request (keyed within its model: ids are the agents') produced, its metrics,
+    and the group ids it named."""
     row = await conn.fetchrow(
-        "SELECT step, metrics::text AS m FROM training_steps WHERE request_id = $1", request_id
+        "SELECT step, metrics::text AS m, group_ids FROM training_steps"
+        " WHERE project = $1 AND model = $2 AND request_id = $3",
+        project,
+        model,
+        request_id,
     )
-    return None if row is None else (row["step"], json.loads(row["m"]))
+    return None if row is None else (row["step"], json.loads(row["m"]), list(row["group_ids"]))
 
 
 async def record_step(
@@ -93,7 +107,7 @@ async def record_step(
 ) -> None:
     await conn.execute(
         "INSERT INTO training_steps (request_id, project, model, step, group_ids, trained, metrics)"
-        " VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (request_id) DO NOTHING",
+        " VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (project, model, request_id) DO NOTHING",
         request_id,
         project,
         model,
