@@ -203,13 +203,7 @@ _OUT_OF_BOUNDS: dict[tuple, list] = {
 
 
 def _out_of_bounds(path, value, content_type):
-    return _group_hostile(
-        "out_of_bounds",
-        encode(set_path(_BASE, path, value), content_type),
-        content_type,
-        _VALIDATION,
-        _MSGSPEC_REASON,
-    )
+    return _wrong_type(path, value, content_type, label="out_of_bounds")
 
 
 def _reward_out_of_range(value, content_type):
@@ -262,9 +256,9 @@ def _contradicting_header(header, content_type):
     )
 
 
-def _wrong_type(path, value, content_type):
+def _wrong_type(path, value, content_type, label="wrong_type"):
     return _group_hostile(
-        "wrong_type",
+        label,
         encode(set_path(_BASE, path, value), content_type),
         content_type,
         _VALIDATION,

@@ -131,22 +131,29 @@ class FakeEngine:
 
 
 @contextlib.asynccontextmanager
-async def serving(state: ServingState) -> AsyncIterator[str]:
-    """The app on uvicorn, on a free port of this host, for the duration of the block."""
+async def serving_app(app) -> AsyncIterator[tuple[str, int]]:
+    """``app`` on uvicorn, on a free port of this host, for the duration of the block: (host, port)."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(state), log_level="warning", lifespan="off"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
         while not server.started:
             if task.done():
                 task.result()
             await asyncio.sleep(0.01)
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+        yield sock.getsockname()
     finally:
         server.should_exit = True
         await task
         sock.close()
+
+
+@contextlib.asynccontextmanager
+async def serving(state: ServingState) -> AsyncIterator[str]:
+    """The app on uvicorn, on a free port of this host, for the duration of the block."""
+    async with serving_app(create_app(state)) as (host, port):
+        yield f"http://{host}:{port}"
 
 
 @pytest.fixture

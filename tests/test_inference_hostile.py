@@ -8,9 +8,7 @@ a burst and the log of a disconnect are checked on a real inference replica proc
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import socket
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -19,7 +17,6 @@ import httpx
 import msgspec
 import openai
 import pytest
-import uvicorn
 
 from artery.services.inference.api import create_app
 from artery.services.inference.chat import MAX_CHARS_PER_TOKEN
@@ -28,29 +25,11 @@ from artery.shared.control_client import live_replicas
 from artery.stack import ServiceProcess
 from tests.test_collector import wait_for
 from tests.test_inference_api import USER, CharTokenizer, FakeEngine
+from tests.test_inference_api import serving_app as serving
 from tests.test_inference_service import MODEL, PROJECT, start_replica
 
 LIMIT = 64 * 1024
 GOOD = {"model": "fake", "messages": USER, "max_tokens": 4}
-
-
-@contextlib.asynccontextmanager
-async def serving(app) -> AsyncIterator[tuple[str, int]]:
-    """``app`` on uvicorn on a free port of this host: yields (host, port)."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    try:
-        while not server.started:
-            if task.done():
-                task.result()
-            await asyncio.sleep(0.01)
-        yield sock.getsockname()
-    finally:
-        server.should_exit = True
-        await task
-        sock.close()
 
 
 @pytest.fixture

@@ -11,7 +11,6 @@ HTTP servers on loopback: the scripted one, and here one that answers chosen sta
 
 from __future__ import annotations
 
-import asyncio
 import json
 import threading
 from collections.abc import Iterator
@@ -33,7 +32,15 @@ from artery.shared.embedded import free_port
 from artery.shared.errors import InvalidMessage
 from artery.testing.judge import scores_json, serve_scripted_judge
 from tests.test_collector import wait_for
-from tests.test_reward_service import MODEL, PROJECT, dead_letters, ruler_group, scored_events, submit
+from tests.test_reward_service import (
+    MODEL,
+    PROJECT,
+    dead_letters,
+    reward_services,
+    ruler_group,
+    scored_events,
+    submit,
+)
 
 EVIL_DEFAULT = "openai/gpt-4o@http://127.0.0.1:1/evil"  # the string found in the wild
 
@@ -120,29 +127,8 @@ def evil():
 @pytest.fixture
 async def start_reward(nc, database_url):
     """An in-process reward service calling the judge at ``api_base`` with the key ``x``."""
-    started: list[tuple[RewardService, asyncio.Task]] = []
-
-    async def start(api_base: str, **overrides) -> RewardService:
-        settings = RewardSettings(
-            **{
-                "judge_model": "openai/judge",
-                "judge_api_base": api_base,
-                "judge_api_key": "x",
-                "fetch_timeout_s": 0.05,
-                "backoff_max_s": 0.5,
-                **overrides,
-            }
-        )
-        service = RewardService(nc, database_url, settings)
-        await service.start()
-        started.append((service, asyncio.create_task(service.run())))
-        return service
-
-    yield start
-    for service, task in started:
-        service.stop()
-        await asyncio.wait_for(task, 10)
-        await service.close()
+    async with reward_services(nc, database_url) as start:
+        yield start
 
 
 async def verdict_row(db, group_id: str):

@@ -4,6 +4,8 @@ Artery's own inference replica)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import json
 import re
 
@@ -42,16 +44,17 @@ def judge():
         yield j
 
 
-@pytest.fixture
-async def run_reward(nc, database_url, judge):
-    """An in-process reward service (the service's own code) pointed at the scripted judge."""
+@contextlib.asynccontextmanager
+async def reward_services(nc, database_url):
+    """Starts in-process reward services (the service's own code) calling the judge at an
+    ``api_base`` with the key ``x``; all stopped when the block ends."""
     started: list[tuple[RewardService, asyncio.Task]] = []
 
-    async def start(**overrides) -> RewardService:
+    async def start(api_base: str, **overrides) -> RewardService:
         settings = RewardSettings(
             **{
                 "judge_model": "openai/judge",
-                "judge_api_base": judge.api_base,
+                "judge_api_base": api_base,
                 "judge_api_key": "x",
                 "fetch_timeout_s": 0.05,
                 "backoff_max_s": 0.5,
@@ -63,11 +66,20 @@ async def run_reward(nc, database_url, judge):
         started.append((service, asyncio.create_task(service.run())))
         return service
 
-    yield start
-    for service, task in started:
-        service.stop()
-        await asyncio.wait_for(task, 10)
-        await service.close()
+    try:
+        yield start
+    finally:
+        for service, task in started:
+            service.stop()
+            await asyncio.wait_for(task, 10)
+            await service.close()
+
+
+@pytest.fixture
+async def run_reward(nc, database_url, judge):
+    """An in-process reward service pointed at the scripted judge."""
+    async with reward_services(nc, database_url) as start:
+        yield functools.partial(start, judge.api_base)
 
 
 def ruler_group(size: int = 3, spec: RulerSpec | None = None, **kw):
