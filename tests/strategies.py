@@ -55,6 +55,8 @@ class HostileHttp:
     statuses: frozenset[int]
     #: The ``error.code`` it must carry, when there is one to check.
     code: str | None = None
+    #: Sent without ``Content-Length`` (chunked), so a limit must count what it reads.
+    chunked: bool = False
 
 
 #: ``make fuzz``: ``ARTERY_FUZZ_SCALE`` times as many examples, drawn from ``ARTERY_FUZZ_SEED``
@@ -734,7 +736,22 @@ def _control_requests() -> st.SearchStrategy[Hostile]:
 
 GOOD_CHAT = {"model": "fake", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8}
 _CHAT_WRONG: dict[tuple, list] = {
-    ("messages",): [[], "hi", None, [{"role": "robot", "content": "x"}], [{"content": "x"}], [1]],
+    ("messages",): [
+        [],
+        "hi",
+        None,
+        [{"role": "robot", "content": "x"}],
+        [{"content": "x"}],
+        [1],
+        # Tool-call arguments are a JSON string, never an object.
+        [
+            {"role": "user", "content": "x"},
+            {
+                "role": "assistant",
+                "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": {"a": 1}}}],
+            },
+        ],
+    ],
     ("messages", 0, "content"): [5, {"text": "x"}, [{"type": "image_url", "image_url": {"url": "x"}}], [1]],
     ("messages", 0, "tool_calls"): [
         "x",
@@ -765,8 +782,21 @@ _CHAT_WRONG: dict[tuple, list] = {
     ("stream",): ["yes", 2],
     ("stream_options",): ["x", {"include_usage": "yes"}],
     ("chat_template_kwargs",): ["x", [1], {"tools": 1}],
+    # OpenAI's ranges: a bias of -100..100 on a token id, penalties of -2..2, its formats.
+    ("logit_bias",): [{"5": 1e308}, {"5": -101}, {"x": 1}, {"-1": 1}, {"99999999999": 1}, [1]],
+    ("frequency_penalty",): [1e308, -2.5, 3, "x"],
+    ("presence_penalty",): [-1e308, 2.01],
+    ("response_format",): [
+        "json",
+        {"type": "xml"},
+        {"type": "json_schema"},
+        {"type": "json_schema", "json_schema": {}},
+        5,
+    ],
 }
 _ERROR_400 = frozenset({400})
+#: The fuzzed app's body limit (``create_app(max_body_bytes=...)``): larger bodies get a 413.
+HTTP_MAX_BODY = 64 * 1024
 
 
 def _http_requests(max_context: int) -> st.SearchStrategy[HostileHttp]:
@@ -793,7 +823,24 @@ def _http_requests(max_context: int) -> st.SearchStrategy[HostileHttp]:
             content = [{"type": "text", "text": "x" * (size // 2)}] * 2
         document = {**GOOD_CHAT, "messages": [{"role": "user", "content": content}]}
         del document["max_tokens"]
-        return post("giant_messages", msgspec.json.encode(document), code="context_length_exceeded")
+        body = msgspec.json.encode(document)
+        if len(body) > HTTP_MAX_BODY:
+            return post("giant_messages", body, {413}, code="request_too_large")
+        return post("giant_messages", body, code="context_length_exceeded")
+
+    def oversized(size, declared):
+        # Refused before it is read, whatever it holds; chunked (no Content-Length) as well.
+        body = b"x" * size
+        return HostileHttp(
+            "oversized",
+            "POST",
+            "/v1/chat/completions",
+            body,
+            "application/json",
+            frozenset({413}),
+            "request_too_large",
+            chunked=not declared,
+        )
 
     def huge_max_tokens(value, name):
         return post(
@@ -842,6 +889,7 @@ def _http_requests(max_context: int) -> st.SearchStrategy[HostileHttp]:
         ),
         st.builds(unknown_model, st.text(max_size=80).filter(lambda s: s not in served), st.booleans()),
         st.builds(giant, st.integers(max_context + 1, 300_000), st.booleans()),
+        st.builds(oversized, st.integers(HTTP_MAX_BODY + 1, 4 * HTTP_MAX_BODY), st.booleans()),
         st.builds(
             huge_max_tokens,
             st.integers(max_context, 2**62),
@@ -934,8 +982,9 @@ def hostile_http_requests(max_context: int) -> st.SearchStrategy[HostileHttp]:
         return core
 
     def as_http(h: Hostile) -> HostileHttp:
+        statuses = frozenset({413}) if len(h.payload) > HTTP_MAX_BODY else _ERROR_400
         return HostileHttp(
-            "undecodable", "POST", "/v1/chat/completions", h.payload, "application/json", _ERROR_400
+            "undecodable", "POST", "/v1/chat/completions", h.payload, "application/json", statuses
         )
 
     gaps = _utf8_and_depth(GOOD_CHAT, "", ("messages", 0, "content"), label="undecodable")
