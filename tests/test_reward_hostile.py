@@ -21,10 +21,12 @@ import msgspec
 import pytest
 
 from artery.schemas import GroupReady, RulerSpec
+from artery.services.collector.store import StoredGroup, write_groups
 from artery.services.reward.judges import FORBIDDEN_JUDGE, JUDGE_CONFIG, RULER, JudgeRefused, chosen_judge
 from artery.services.reward.judges import error_kind as stored_kind
 from artery.services.reward.service import RewardService
 from artery.services.reward.settings import RewardSettings
+from artery.services.reward.store import Verdict, record_verdict, stored_verdict
 from artery.services.trainer.store import load_groups, stored_group_ids
 from artery.shared import subjects
 from artery.shared.bus import event_headers
@@ -393,3 +395,24 @@ async def test_a_redelivery_dead_letters_a_stored_refusal_with_its_kind(
         await second.close()
     assert judge.requests == []
     assert await db.fetchval("SELECT count(*) FROM group_rewards") == 1
+
+
+async def test_a_judge_answer_or_rubric_holding_a_nul_is_recorded_not_retried_into_poison(db):
+    """PostgreSQL's text cannot hold U+0000: a random judge (the tiny model as a judge) can answer
+    one, which the error quotes. The verdict is recorded with U+FFFD in its place; failing on it
+    failed every redelivery until the group was dead-lettered as poison (seen in CI)."""
+    g = ruler_group(size=2)
+    await write_groups(db, [StoredGroup.of(g, None)])
+    verdict = Verdict(
+        judge_model="openai/judge",
+        error="ruler: not valid JSON: a\x00b",
+        attempts=2,
+        prompt_tokens=0,
+        completion_tokens=0,
+        cost_usd=None,
+        rows=[(0, 0.5, 0.5, 0.0, "why\x00not")],
+    )
+    await record_verdict(db, (PROJECT, MODEL, g.id), verdict, "rubric\x00")
+    stored = await stored_verdict(db, (PROJECT, MODEL, g.id))
+    assert stored.error == "ruler: not valid JSON: a\ufffdb"
+    assert stored.rows == [(0, 0.5, 0.5, 0.0, "why\ufffdnot")]

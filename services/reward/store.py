@@ -80,6 +80,13 @@ async def stored_verdict(conn: asyncpg.Connection, key: GroupKey) -> Verdict | N
     )
 
 
+def _text(value: str | None) -> str | None:
+    """For a text column, which cannot hold U+0000: a judge's answer (quoted in an error or an
+    explanation) can contain one, and the rubric is an agent's. Failing on it would fail every
+    redelivery until the group is poison. The agent's own rubric stays exact in ``reward_spec``."""
+    return value.replace("\x00", "\ufffd") if value and "\x00" in value else value
+
+
 async def record_verdict(
     conn: asyncpg.Connection, key: GroupKey, verdict: Verdict, rubric: str | None
 ) -> Verdict:
@@ -91,9 +98,9 @@ async def record_verdict(
             " prompt_tokens, completion_tokens, cost_usd) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)"
             " ON CONFLICT (project, model, group_id) DO NOTHING RETURNING group_id",
             *key,
-            verdict.judge_model,
-            rubric,
-            verdict.error,
+            _text(verdict.judge_model),
+            _text(rubric),
+            _text(verdict.error),
             verdict.attempts,
             verdict.prompt_tokens,
             verdict.completion_tokens,
@@ -107,6 +114,6 @@ async def record_verdict(
             await conn.executemany(
                 "INSERT INTO trajectory_rewards (project, model, group_id, idx, reward, judge_score,"
                 " independent_reward, explanation) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
-                [(*key, *row) for row in verdict.rows],
+                [(*key, *row[:4], _text(row[4])) for row in verdict.rows],
             )
     return verdict
