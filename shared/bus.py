@@ -9,6 +9,7 @@ the current span.
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +47,13 @@ AGENT_DUPLICATE_WINDOW_S = 0.1
 
 def duplicate_window_s(spec: subjects.StreamSpec) -> float:
     return AGENT_DUPLICATE_WINDOW_S if spec.agent_written else DUPLICATE_WINDOW_S
+
+
+def derived_id(namespace: uuid.UUID, project: str, model: str, cause: str) -> str:
+    """The id of an event another one causes (``cause``: that one's id, with a kind where one
+    cause has several): the same on every redelivery, so JetStream drops a repeat, and scoped to
+    the tenant, since agents choose the ids causes have."""
+    return str(uuid.uuid5(namespace, f"{project}/{model}/{cause}"))
 
 
 def tenant_msg_id(event: Event) -> str:

@@ -175,3 +175,16 @@ async def test_a_train_request_id_is_scoped_to_its_model(db):
         db, request_id="r1", project=B, model=MODEL, step=1, group_ids=["h"], trained=True, metrics={}
     )
     assert await completed_step(db, B, MODEL, "r1") == (1, {}, ["h"])
+
+
+def test_events_a_train_request_causes_have_ids_of_their_tenant():
+    """The publisher keys checkpoints on the ``checkpoint.saved`` id: two projects' requests under
+    one id must cause two ``checkpoint.saved`` events, not one the publisher would take twice."""
+    from artery.schemas import TrainRequested
+    from artery.services.trainer.service import request_event_id
+
+    mine = TrainRequested(id="r1", project=A, model=MODEL, group_ids=["g"])
+    theirs = msgspec.structs.replace(mine, project=B)
+    assert request_event_id("saved", mine) == request_event_id("saved", mine)  # a redelivery
+    assert request_event_id("saved", mine) != request_event_id("saved", theirs)
+    assert request_event_id("saved", mine) != request_event_id("completed", mine)

@@ -20,7 +20,7 @@ from artery.services.collector.settings import CollectorSettings
 from artery.services.collector.store import StoredGroup, write_groups
 from artery.services.collector.validate import decode_group
 from artery.shared import subjects
-from artery.shared.bus import prepare, publish_prepared
+from artery.shared.bus import derived_id, prepare, publish_prepared
 from artery.shared.consumer import ConsumerOptions, ConsumingService, DurableConsumer
 from artery.shared.db import ServicePool
 from artery.shared.errors import DependencyUnavailable, InvalidMessage
@@ -34,7 +34,7 @@ _READY_NAMESPACE = uuid.UUID("0d3c7f55-2a5e-4b1e-8f3a-726561647921")
 
 def ready_event_id(project: str, model: str, group_id: str) -> str:
     """Derived from the group's key, so a redelivery announces under the same id."""
-    return str(uuid.uuid5(_READY_NAMESPACE, f"{project}/{model}/{group_id}"))
+    return derived_id(_READY_NAMESPACE, project, model, group_id)
 
 
 class Collector(ConsumingService):

@@ -58,7 +58,7 @@ from artery.services.reward.store import (
 )
 from artery.services.reward.verdicts import JudgedGroup, VerdictOutbox
 from artery.shared import subjects
-from artery.shared.bus import CONTENT_TYPE, publish_event
+from artery.shared.bus import CONTENT_TYPE, derived_id, publish_event
 from artery.shared.codec import EventDecoder
 from artery.shared.consumer import ConsumerOptions, ConsumingService, DurableConsumer
 from artery.shared.db import ServicePool
@@ -73,7 +73,7 @@ _decoder = EventDecoder(GroupReady)
 
 
 def scored_event_id(project: str, model: str, group_id: str) -> str:
-    return str(uuid.uuid5(_SCORED_NAMESPACE, f"{project}/{model}/{group_id}"))
+    return derived_id(_SCORED_NAMESPACE, project, model, group_id)
 
 
 def group_key(ready: GroupReady) -> GroupKey:

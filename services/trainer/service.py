@@ -38,7 +38,7 @@ from artery.services.trainer import checkpoints
 from artery.services.trainer.settings import TrainerSettings
 from artery.services.trainer.store import completed_step, load_groups, record_step, stored_group_ids
 from artery.shared import subjects
-from artery.shared.bus import CONTENT_TYPE, publish_event
+from artery.shared.bus import CONTENT_TYPE, derived_id, publish_event
 from artery.shared.codec import EventDecoder
 from artery.shared.consumer import ConsumerOptions, ConsumingService, DurableConsumer
 from artery.shared.control_client import PauseFailed, paused
@@ -55,9 +55,11 @@ _IDS = uuid.UUID("5b2d8f0e-6a1c-4f4e-9d55-747261696e21")
 _decoder = EventDecoder(TrainRequested)
 
 
-def derived_id(kind: str, request_id: str) -> str:
-    """Ids of the events a request causes, the same on every redelivery (JetStream de-dupes)."""
-    return str(uuid.uuid5(_IDS, f"{kind}:{request_id}"))
+def request_event_id(kind: str, request: TrainRequested) -> str:
+    """Ids of the events a request causes, the same on every redelivery (JetStream de-dupes) and
+    scoped to the request's model: another project's request under the same id causes others
+    (the publisher keys checkpoints on the ``checkpoint.saved`` id)."""
+    return derived_id(_IDS, request.project, request.model, f"{kind}:{request.id}")
 
 
 def finite(metrics: dict) -> dict[str, float]:
@@ -291,7 +293,7 @@ class Trainer(ConsumingService):
             self.js,
             subjects.checkpoint("saved", request.project, request.model),
             CheckpointSaved(
-                id=derived_id("saved", request.id),
+                id=request_event_id("saved", request),
                 project=request.project,
                 model=request.model,
                 step=step,
@@ -326,7 +328,7 @@ class Trainer(ConsumingService):
 
     async def _complete(self, request: TrainRequested, step: int, metrics: dict) -> TrainCompleted:
         event = TrainCompleted(
-            id=derived_id("completed", request.id),
+            id=request_event_id("completed", request),
             project=request.project,
             model=request.model,
             step=step,
@@ -340,7 +342,7 @@ class Trainer(ConsumingService):
     async def _fail(self, request: TrainRequested, error: str, *, retriable: bool) -> TrainFailed:
         log.warning("train request failed", request_id=request.id, error=error)
         event = TrainFailed(
-            id=derived_id("failed", request.id),
+            id=request_event_id("failed", request),
             project=request.project,
             model=request.model,
             request_id=request.id,
