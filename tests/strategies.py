@@ -229,6 +229,23 @@ def _non_finite_alternative(value):
     )
 
 
+def _non_finite_in_history(value, field):
+    """An additional history's samples are stored beside the trajectory's: checked alike."""
+    sample = {"token_ids": [1], "logprobs": [-0.5]}
+    if field == "logprobs":
+        sample["logprobs"] = [value]
+    else:
+        sample["top_logprobs"] = [[{"token": "x", "logprob": value}]]
+    history = {"messages": [{"role": "assistant", "content": "x", "sample": sample}]}
+    return _group_hostile(
+        "non_finite",
+        encode(set_path(_BASE, ("trajectories", 0, "additional_histories"), [history]), MSGPACK),
+        MSGPACK,
+        {"non_finite"},
+        rf"additional_histories\[0\]\.messages\[0\]\.sample\.{field}",
+    )
+
+
 def _untagged(content_type):
     document = {k: v for k, v in _BASE.items() if k != "event"}
     return _group_hostile(
@@ -455,6 +472,11 @@ def hostile_groups(max_bytes: int) -> st.SearchStrategy[Hostile]:
         ),
         st.builds(_reward_out_of_range, st.sampled_from([1.7e308, -1.7e308, 1e7, -2e6]), payload_of()),
         st.builds(_non_finite_alternative, st.sampled_from([math.nan, math.inf, -math.inf])),
+        st.builds(
+            _non_finite_in_history,
+            st.sampled_from([math.nan, math.inf, -math.inf]),
+            st.sampled_from(["logprobs", "top_logprobs"]),
+        ),
         st.builds(_untagged, payload_of()),
         st.builds(_another_event, payload_of()),
         st.builds(

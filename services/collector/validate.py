@@ -14,7 +14,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from artery.schemas import SCHEMA_VERSION, TrainRequested, TrajectoryGroupSubmitted
+from artery.schemas import SCHEMA_VERSION, History, TrainRequested, Trajectory, TrajectoryGroupSubmitted
 from artery.shared import subjects
 from artery.shared.codec import CONTENT_TYPE, EVENT_HEADER, SCHEMA_HEADER, EventDecoder
 from artery.shared.errors import InvalidMessage
@@ -106,33 +106,38 @@ def check_finite(group: TrajectoryGroupSubmitted) -> None:
                 f"trajectories[{i}].reward is {trajectory.reward}, beyond the limit of ±{REWARD_LIMIT:g}",
                 original_id=group.id,
             )
-        for t, tool in enumerate(trajectory.tools or ()):
-            _check_finite_tree(tool.function.parameters, f"trajectories[{i}].tools[{t}]", group.id)
         _check_finite_values(trajectory.metrics, f"trajectories[{i}].metrics", group.id)
         _check_finite_values(trajectory.metadata, f"trajectories[{i}].metadata", group.id)
-        for m, message in enumerate(trajectory.messages):
-            sample = message.sample
-            if sample is None:
-                continue
-            where = f"trajectories[{i}].messages[{m}].sample"
-            if len(sample.token_ids) != len(sample.logprobs):
-                raise InvalidMessage(
-                    "validation",
-                    f"{where}: {len(sample.token_ids)} token ids but {len(sample.logprobs)} logprobs",
-                    original_id=group.id,
-                )
-            if not all(map(math.isfinite, sample.logprobs)):
-                raise InvalidMessage(
-                    "non_finite", f"{where}.logprobs has a non-finite value", original_id=group.id
-                )
-            if sample.top_logprobs is not None and not all(
-                math.isfinite(alt.logprob) for position in sample.top_logprobs for alt in position
-            ):
-                raise InvalidMessage(
-                    "non_finite", f"{where}.top_logprobs has a non-finite value", original_id=group.id
-                )
+        _check_conversation(trajectory, f"trajectories[{i}]", group.id)
+        for h, history in enumerate(trajectory.additional_histories):
+            _check_conversation(history, f"trajectories[{i}].additional_histories[{h}]", group.id)
     _check_finite_values(group.metrics, "metrics", group.id)
     _check_finite_values(group.metadata, "metadata", group.id)
+
+
+def _check_conversation(conversation: Trajectory | History, where: str, group_id: str) -> None:
+    """A conversation's tools and samples (the trajectory's own, or an additional history's)."""
+    for t, tool in enumerate(conversation.tools or ()):
+        _check_finite_tree(tool.function.parameters, f"{where}.tools[{t}]", group_id)
+    for m, message in enumerate(conversation.messages):
+        sample = message.sample
+        if sample is None:
+            continue
+        at = f"{where}.messages[{m}].sample"
+        if len(sample.token_ids) != len(sample.logprobs):
+            raise InvalidMessage(
+                "validation",
+                f"{at}: {len(sample.token_ids)} token ids but {len(sample.logprobs)} logprobs",
+                original_id=group_id,
+            )
+        if not all(map(math.isfinite, sample.logprobs)):
+            raise InvalidMessage("non_finite", f"{at}.logprobs has a non-finite value", original_id=group_id)
+        if sample.top_logprobs is not None and not all(
+            math.isfinite(alt.logprob) for position in sample.top_logprobs for alt in position
+        ):
+            raise InvalidMessage(
+                "non_finite", f"{at}.top_logprobs has a non-finite value", original_id=group_id
+            )
 
 
 def _check_finite_values(values: dict, where: str, group_id: str) -> None:
