@@ -5,6 +5,7 @@ The content type travels in the ``Content-Type`` header; a message without one i
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from typing import Any, TypeVar
 
 import msgspec
@@ -58,3 +59,17 @@ class EventDecoder:
             raise InvalidMessage("decode", f"not valid {content_type}: {exc}") from exc
         except RecursionError:
             raise InvalidMessage("decode", f"not valid {content_type}: nested too deeply") from None
+
+
+def json_leaves(value: Any) -> Iterator[Any]:
+    """Every value in a decoded JSON tree that is not an object or an array, however deep: a loop,
+    not recursion, since msgspec decodes deeper nesting than Python's recursion limit."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, Mapping):
+            pending.extend(item.values())
+        elif isinstance(item, list | tuple):
+            pending.extend(item)
+        else:
+            yield item

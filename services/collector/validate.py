@@ -16,7 +16,7 @@ from typing import Any
 
 from artery.schemas import SCHEMA_VERSION, History, TrainRequested, Trajectory, TrajectoryGroupSubmitted
 from artery.shared import subjects
-from artery.shared.codec import CONTENT_TYPE, EVENT_HEADER, SCHEMA_HEADER, EventDecoder
+from artery.shared.codec import CONTENT_TYPE, EVENT_HEADER, SCHEMA_HEADER, EventDecoder, json_leaves
 from artery.shared.errors import InvalidMessage
 
 #: The largest reward magnitude a trajectory may carry. Far beyond any sensible reward scale; it
@@ -147,14 +147,7 @@ def _check_finite_values(values: dict, where: str, group_id: str) -> None:
 
 
 def _check_finite_tree(value: Any, where: str, group_id: str) -> None:
-    """Free-form JSON (a tool's parameter schema): every float in it, however deep (a loop, not
-    recursion: msgspec decodes deeper nesting than Python's recursion limit)."""
-    pending = [value]
-    while pending:
-        item = pending.pop()
-        if isinstance(item, float) and not math.isfinite(item):
-            raise InvalidMessage("non_finite", f"{where} holds {item}", original_id=group_id)
-        if isinstance(item, dict):
-            pending.extend(item.values())
-        elif isinstance(item, list):
-            pending.extend(item)
+    """Free-form JSON (a tool's parameter schema): every float in it, however deep."""
+    for leaf in json_leaves(value):
+        if isinstance(leaf, float) and not math.isfinite(leaf):
+            raise InvalidMessage("non_finite", f"{where} holds {leaf}", original_id=group_id)

@@ -28,6 +28,7 @@ from artery.services.inference.openai_types import (
 )
 from artery.services.inference.tools import parse_tool_calls
 from artery.shared.chat_template import render_message, render_tools
+from artery.shared.codec import json_leaves
 
 #: OpenAI's stand-in for a logprob of minus infinity (JSON has no infinities).
 MIN_LOGPROB = -9999.0
@@ -107,16 +108,7 @@ def render_prompt(tokenizer: Any, request: ChatCompletionRequest, max_context: i
 def _text_length(value: Any) -> int:
     """Characters in every string of a template input (keys aside): a floor on the rendered text
     when the template writes everything it is given."""
-    total, pending = 0, [value]
-    while pending:  # no recursion: tool parameters may nest as deep as the decoder allows
-        item = pending.pop()
-        if isinstance(item, str):
-            total += len(item)
-        elif isinstance(item, Mapping):
-            pending.extend(item.values())
-        elif isinstance(item, list | tuple):
-            pending.extend(item)
-    return total
+    return sum(len(leaf) for leaf in json_leaves(value) if isinstance(leaf, str))
 
 
 def check_logit_bias(request: ChatCompletionRequest, tokenizer: Any) -> None:

@@ -20,6 +20,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from artery.schemas.trajectory import TokenId
+
 
 class Request(msgspec.Struct, kw_only=True):
     """Base of everything a client sends: unknown fields are ignored. (``kw_only`` is not inherited,
@@ -104,9 +106,6 @@ class JsonSchemaFormat(Request, kw_only=True, tag_field="type", tag="json_schema
 
 #: OpenAI's ``response_format``, told apart by ``type``.
 ResponseFormat = TextFormat | JsonObjectFormat | JsonSchemaFormat
-#: A token id as a ``logit_bias`` key (JSON object keys are strings of digits); checked against
-#: the tokenizer's vocabulary once the request is decoded.
-TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
 
 
 class ChatCompletionRequest(Request, kw_only=True):
@@ -133,6 +132,8 @@ class ChatCompletionRequest(Request, kw_only=True):
     # 400 naming it. The engines do not apply these yet (``SamplingParams`` has no such fields).
     frequency_penalty: Annotated[float, msgspec.Meta(ge=-2, le=2)] | None = None
     presence_penalty: Annotated[float, msgspec.Meta(ge=-2, le=2)] | None = None
+    # Keys: token ids (JSON object keys are strings of digits), checked against the tokenizer's
+    # vocabulary once the request is decoded.
     logit_bias: dict[TokenId, Annotated[float, msgspec.Meta(ge=-100, le=100)]] | None = None
     response_format: ResponseFormat | None = None
 
