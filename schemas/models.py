@@ -2,9 +2,24 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
+
+import msgspec
 
 from artery.schemas.base import Name, Step, Struct, Timestamp
+
+ModuleName = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+
+
+class LoraSpec(Struct, kw_only=True):
+    """The adapter's shape asked for at registration (``art.LoRAConfig``); unset: the trainer's
+    defaults (``ARTERY_TRAINER_LORA_*``). Fixed once a model has trained: a step's optimizer state
+    only fits the adapter it was made for."""
+
+    rank: Annotated[int, msgspec.Meta(ge=1, le=4096)] | None = None
+    alpha: Annotated[float, msgspec.Meta(gt=0, le=1e6)] | None = None
+    dropout: Annotated[float, msgspec.Meta(ge=0, lt=1)] | None = None
+    target_modules: Annotated[list[ModuleName], msgspec.Meta(min_length=1)] | None = None
 
 
 class ModelRecord(Struct, kw_only=True):
@@ -17,3 +32,7 @@ class ModelRecord(Struct, kw_only=True):
     config: dict[str, Any] = {}
     step: Step = 0
     registered_at: Timestamp | None = None
+    lora: LoraSpec | None = None
+    #: Extra chat-template variables the SDK's client sends with every request (ART's
+    #: ``InternalModelConfig.chat_template_kwargs``).
+    chat_template_kwargs: dict[str, Any] = {}

@@ -13,8 +13,10 @@ import json
 import shutil
 from pathlib import Path
 
+import msgspec
+
 from artery.schemas import ModelRecord
-from artery.services.trainer.policy import LoraSettings, OptimSettings, Policy
+from artery.services.trainer.policy import TRAINER_STATE, LoraSettings, OptimSettings, Policy
 from artery.services.trainer.settings import TrainerSettings
 from artery.shared.adapters import pack_adapter, sha256_hex
 from artery.shared.logs import get_logger
@@ -60,11 +62,18 @@ def step_for_request(
 
 
 def lora_settings(settings: TrainerSettings, record: ModelRecord) -> LoraSettings:
-    """Trainer defaults, overridden per model by ``config["lora"]`` given at registration."""
-    overrides = dict(record.config.get("lora") or {})
+    """Trainer defaults, overridden per model by the ``lora`` given at registration
+    (``art.LoRAConfig``; older records carried it as ``config["lora"]``)."""
+    spec = record.lora
+    overrides = (
+        {k: v for k, v in msgspec.structs.asdict(spec).items() if v is not None}
+        if spec is not None
+        else dict(record.config.get("lora") or {})
+    )
     return LoraSettings(
         rank=int(overrides.get("rank", settings.lora_rank)),
-        alpha=int(overrides.get("alpha", settings.lora_alpha)),
+        alpha=float(overrides.get("alpha", settings.lora_alpha)),
+        dropout=float(overrides.get("dropout", 0.0)),
         target_modules=list(
             overrides.get("target_modules")
             or [m.strip() for m in settings.lora_target_modules.split(",") if m.strip()]
@@ -99,6 +108,27 @@ def packed_adapter(settings: TrainerSettings, record: ModelRecord, step: int) ->
     return path, sha256_hex(data), len(data)
 
 
+class LoraChanged(ValueError):
+    """The model was registered with another adapter shape than its checkpoints were trained with."""
+
+
+def check_lora_unchanged(settings: TrainerSettings, record: ModelRecord, step: int) -> None:
+    """Raise ``LoraChanged`` when ``record`` asks for another LoRA than step ``step`` was saved with."""
+    if step == 0:
+        return
+    state_file = step_dir(settings, record, step) / TRAINER_STATE
+    saved = json.loads(state_file.read_text())["lora"]
+    wanted = lora_settings(settings, record)
+    saved_shape = (saved["rank"], float(saved["alpha"]), tuple(saved["target_modules"]))
+    if saved_shape != (wanted.rank, float(wanted.alpha), wanted.target_modules):
+        raise LoraChanged(
+            f"{record.project}/{record.name} was trained up to step {step} with LoRA rank {saved['rank']},"
+            f" alpha {saved['alpha']}, target modules {list(saved['target_modules'])}; it is now registered"
+            f" with rank {wanted.rank}, alpha {wanted.alpha}, target modules {list(wanted.target_modules)}."
+            " An adapter's shape cannot change: register a new model name for another LoRA config"
+        )
+
+
 class PolicyCache:
     """The policy of the model last trained, kept in memory between steps (one at a time)."""
 
@@ -113,6 +143,7 @@ class PolicyCache:
 
         key = (record.project, record.name)
         on_disk = latest_step(self.settings, record)
+        check_lora_unchanged(self.settings, record, on_disk)
         if self._key != key or self._policy is None or self._step != on_disk:
             self._policy = await asyncio.to_thread(self._load, record, on_disk)
             self._key, self._step = key, on_disk

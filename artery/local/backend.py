@@ -1,0 +1,5 @@
+"""``art.local.backend.LocalBackend``, ART's module path for the same class."""
+
+from artery.backend import LocalBackend
+
+__all__ = ["LocalBackend"]
