@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,7 +26,9 @@ import msgspec
 import nats
 from opentelemetry import trace
 
+from artery.dev import train_config_fields
 from artery.schemas import (
+    LoraSpec,
     ModelRecord,
     ReplicaInfo,
     RetentionApplied,
@@ -33,7 +36,10 @@ from artery.schemas import (
     TrainCompleted,
     TrainConfig,
     TrainFailed,
+    TrainRequest,
     TrainRequested,
+    TrainSFTConfig,
+    TrainSFTRequested,
     new_event_id,
     utcnow,
 )
@@ -51,12 +57,14 @@ from artery.shared.tracing import (
     tracer,
 )
 from artery.stack import Stack
-from artery.trajectories import TrajectoryGroup
+from artery.trajectories import Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:
     from artery.model import Model
 
 _outcome_decoder = msgspec.json.Decoder(TrainCompleted | TrainFailed)
+#: The most trajectories ``train_sft`` publishes in one group.
+SFT_GROUP_SIZE = 64
 _tracer = tracer("artery.sdk")
 #: Set by ``train()``: where ``publish`` notes the span of each submission.
 _submissions: contextvars.ContextVar[list | None] = contextvars.ContextVar("artery_submissions", default=None)
@@ -128,6 +136,16 @@ class Backend:
         key = subjects.model_key(model.project, model.name)
         found = await read_record(kv, model.project, model.name)  # garbage: overwritten
         step = found.record.step if found else 0
+        lora = getattr(model, "lora_config", None)
+        lora = msgspec.convert(lora, LoraSpec) if lora is not None else None
+        if found is not None and lora is None:
+            lora = found.record.lora  # re-registered without one: keep the shape it trained with
+        elif found is not None and step > 0 and lora != found.record.lora:
+            raise ValueError(
+                f"{model.project}/{model.name} has trained {step} steps with LoRA"
+                f" {msgspec.to_builtins(found.record.lora) or 'defaults'}; its shape cannot change to"
+                f" {msgspec.to_builtins(lora)}: register the new config under a new model name"
+            )
         record = ModelRecord(
             project=model.project,
             name=model.name,
@@ -136,6 +154,8 @@ class Backend:
             config=model.config or {},
             step=step,
             registered_at=utcnow(),
+            lora=lora,
+            chat_template_kwargs=dict(getattr(model, "chat_template_kwargs", {}) or {}),
         )
         await kv.put(key, msgspec.json.encode(record))
 
@@ -214,60 +234,87 @@ class Backend:
         """One GRPO step on ``groups``; returns once the new adapter is served by every replica.
 
         Keyword arguments not named here are ``TrainConfig`` fields (``learning_rate=``,
-        ``loss_fn=``...), as ART's ``backend.train`` takes them.
+        ``loss_fn=``...) or ART's ``backend.train`` keywords (``art.dev.TrainConfig`` keys).
         """
-        config = (
-            msgspec.structs.replace(config or TrainConfig(), **config_fields) if config_fields else config
-        )
-        attributes = {"artery.project": model.project, "artery.model": model.name}
-        with _tracer.start_as_current_span("artery.train", attributes=attributes) as span:
-            result = await self._train(model, groups, config, timeout_s, wait_for_serving_s)
-            span.set_attribute("artery.step", result.step)
-            result.trace_id = current_trace_id()
-            return result
+        # ART's keywords (``ppo=``, ``normalize_advantages=``, ``importance_sampling_level=``...) are
+        # translated or refused by name (``artery.dev``), never passed through unread.
+        fields = train_config_fields(config_fields)
+        config = msgspec.structs.replace(config or TrainConfig(), **fields) if fields else config
+        request = functools.partial(TrainRequested, config=config or TrainConfig())
+        return await self._train("artery.train", model, groups, request, timeout_s, wait_for_serving_s)
+
+    async def train_sft(
+        self,
+        model: Model,
+        trajectories: Iterable[Trajectory],
+        config: TrainSFTConfig | None = None,
+        *,
+        timeout_s: float | None = None,
+        wait_for_serving_s: float = 120.0,
+    ) -> TrainResult:
+        """Supervised fine-tuning (ART's ``train_sft``): one step of cross-entropy on the
+        trajectories' assistant turns, ``config.batch_size`` trajectories per optimizer update, in
+        order; returns once the new adapter is served by every replica, like ``train()``."""
+        config = config or TrainSFTConfig()
+        trajectories = list(trajectories)
+        if not trajectories:
+            raise ValueError("train_sft() needs at least one trajectory")
+        config.learning_rates(len(trajectories))  # a schedule without one rate per batch fails here
+        # Groups only carry the trajectories to the trainer, which trains them in order: one per
+        # batch (at most ``SFT_GROUP_SIZE``) keeps each message far below the collector's limits.
+        size = min(config.resolved_batch_size(), SFT_GROUP_SIZE)
+        groups = [TrajectoryGroup(trajectories[i : i + size]) for i in range(0, len(trajectories), size)]
+        request = functools.partial(TrainSFTRequested, config=config)
+        return await self._train("artery.train_sft", model, groups, request, timeout_s, wait_for_serving_s)
 
     async def _train(
         self,
+        span_name: str,
         model: Model,
         groups: Iterable[TrajectoryGroup],
-        config: TrainConfig | None,
+        make_request: Callable[..., TrainRequest],
         timeout_s: float | None,
         wait_for_serving_s: float,
     ) -> TrainResult:
-        submitted: list[trace.SpanContext] = []
-        token = _submissions.set(submitted)
-        try:
-            group_ids = await self.publish(model, groups, split="train")
-        finally:
-            _submissions.reset(token)
-        if not group_ids:
-            raise ValueError("train() needs at least one group")
-        nc = await self._connect()
-        outcome_subject = subjects.train("*", model.project, model.name)
-        sub = await nc.subscribe(outcome_subject)  # before publishing, so no answer is missed
-        try:
-            request = TrainRequested(
-                id=new_event_id(),
-                project=model.project,
-                model=model.name,
-                step=await self._get_step(model),
-                group_ids=group_ids,
-                config=config or TrainConfig(),
-            )
-            # The trainer's step span is the child of this one and links to every submission.
-            await bus.publish_event(
-                nc.jetstream(),
-                subjects.train("requested", model.project, model.name),
-                request,
-                headers=link_headers({}, submitted),
-            )
-            outcome = await self._await_outcome(sub, request.id, timeout_s)
-        finally:
-            await sub.unsubscribe()
-        if isinstance(outcome, TrainFailed):
-            raise TrainingFailed(outcome.error, retriable=outcome.retriable)
-        await self._wait_until_served(model, outcome.step, wait_for_serving_s)
-        return TrainResult(step=outcome.step, metrics=dict(outcome.metrics))
+        """Publish the groups, ask for a step (``make_request`` builds the request from its
+        envelope and the group ids), await its outcome, then wait until the new step is served."""
+        attributes = {"artery.project": model.project, "artery.model": model.name}
+        with _tracer.start_as_current_span(span_name, attributes=attributes) as span:
+            submitted: list[trace.SpanContext] = []
+            token = _submissions.set(submitted)
+            try:
+                group_ids = await self.publish(model, groups, split="train")
+            finally:
+                _submissions.reset(token)
+            if not group_ids:
+                raise ValueError("train() needs at least one group")
+            nc = await self._connect()
+            outcome_subject = subjects.train("*", model.project, model.name)
+            sub = await nc.subscribe(outcome_subject)  # before publishing, so no answer is missed
+            try:
+                request = make_request(
+                    id=new_event_id(),
+                    project=model.project,
+                    model=model.name,
+                    step=await self._get_step(model),
+                    group_ids=group_ids,
+                )
+                # Both kinds of request go to the same subject (the trainer tells them apart by
+                # tag); its step span is the child of this one and links to every submission.
+                await bus.publish_event(
+                    nc.jetstream(),
+                    subjects.train("requested", model.project, model.name),
+                    request,
+                    headers=link_headers({}, submitted),
+                )
+                outcome = await self._await_outcome(sub, request.id, timeout_s)
+            finally:
+                await sub.unsubscribe()
+            if isinstance(outcome, TrainFailed):
+                raise TrainingFailed(outcome.error, retriable=outcome.retriable)
+            await self._wait_until_served(model, outcome.step, wait_for_serving_s)
+            span.set_attribute("artery.step", outcome.step)
+            return TrainResult(step=outcome.step, metrics=dict(outcome.metrics), trace_id=current_trace_id())
 
     async def _await_outcome(self, sub, request_id: str, timeout_s: float | None):
         loop = asyncio.get_running_loop()
@@ -348,7 +395,9 @@ class LocalBackend(Backend):
     def __init__(
         self,
         *,
-        path: str | os.PathLike = ".artery",
+        in_process: bool = False,
+        path: str | os.PathLike | None = None,
+        gpu_cost_per_hour_usd: float | None = None,
         services: tuple[str, ...] | None = None,
         start_inference: bool = True,
         inference_env: dict[str, str] | None = None,
@@ -356,6 +405,13 @@ class LocalBackend(Backend):
         project: str | None = None,
     ):
         super().__init__(nats_url="nats://127.0.0.1:0")
+        if in_process:
+            # ART's in_process=True runs its trainer inside the caller; Artery's services are always
+            # their own processes (that is what lets each restart, scale and be traced alone).
+            raise ValueError("LocalBackend(in_process=True): Artery's services always run as processes")
+        #: ART's figure for cost metrics; kept for scripts that pass it (no GPU is priced on a CPU).
+        self.gpu_cost_per_hour_usd = gpu_cost_per_hour_usd
+        path = ".artery" if path is None else path
         if secure != (project is not None):
             raise ValueError("secure=True needs the project whose agent user the backend connects as")
         self.path = Path(path)

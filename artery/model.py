@@ -12,13 +12,15 @@ from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
 
+from artery import dev
+from artery.dev import InternalModelConfig, LoRAConfig, lora_fields, model_config_fields
 from artery.schemas.base import NAME_PATTERN
 from artery.shared.tracing import inject, tracer
 from artery.trajectories import Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:
     from artery.backend import Backend, TrainResult
-    from artery.schemas import TrainConfig
+    from artery.schemas import TrainConfig, TrainSFTConfig
 
 import re
 
@@ -115,7 +117,12 @@ class Model:
                 api_key=self.inference_api_key or "artery",
                 http_client=httpx.AsyncClient(
                     timeout=httpx.Timeout(timeout=1200, connect=5.0),
-                    transport=traced_transport(transport),
+                    transport=traced_transport(
+                        transport,
+                        body_defaults={"chat_template_kwargs": self.chat_template_kwargs}
+                        if getattr(self, "chat_template_kwargs", None)
+                        else None,
+                    ),
                 ),
             )
         return self._openai_client
@@ -164,7 +171,8 @@ class Model:
         As in ART: the mean reward, the exception rate, every trajectory metric and the mean
         within-group reward std are averaged and prefixed with ``split/``. The groups are
         published with that split, so they are kept in PostgreSQL but not trained on (unless
-        the split is ``train``).
+        the split is ``train``), and written to ``trajectories/{split}/{step:04d}.parquet`` in
+        the model directory (ART's layout, ``artery.parquet``; needs pyarrow).
         """
         groups = _as_groups(trajectories)
         row = dict(metrics or {})
@@ -176,31 +184,62 @@ class Model:
         row = {k: v for k, v in row.items() if not (isinstance(v, float) and math.isnan(v))}
         step = await self.get_step() if step is None else step
         _append_history(self.directory / "history.jsonl", {"step": step, "recorded_at": time.time(), **row})
+        if groups:
+            # ART's layout beside history.jsonl; after it, so the metrics are kept even without pyarrow.
+            from artery.parquet import write_trajectory_groups_parquet
+
+            path = self.directory / "trajectories" / split / f"{step:04d}.parquet"
+            write_trajectory_groups_parquet(groups, path)
         return row
 
 
 class TrainableModel(Model):
     trainable = True
 
-    def __init__(self, *, name: str, project: str, base_model: str, **kwargs):
+    def __init__(
+        self,
+        *,
+        name: str,
+        project: str,
+        base_model: str,
+        run_id: str | None = None,
+        lora_config: LoRAConfig | None = None,
+        _internal_config: InternalModelConfig | None = None,
+        **kwargs,
+    ):
         super().__init__(name=name, project=project, **kwargs)
         self.base_model = base_model
+        self.run_id = run_id
+        # Validated now, so a typo or an unsupported key fails at construction, not in the trainer.
+        internal = model_config_fields(_internal_config)
+        if lora_config is not None and "lora" in internal:
+            raise ValueError("give the adapter's shape once: lora_config or _internal_config['peft_args']")
+        #: The adapter's shape (``LoRAConfig``); None: the trainer's defaults, or what it was registered with.
+        self.lora_config: dict[str, Any] | None = (
+            lora_fields(lora_config) if lora_config is not None else internal.get("lora")
+        )
+        #: Chat-template variables sent with every request of ``openai_client()`` (ART does the same).
+        self.chat_template_kwargs: dict[str, Any] = internal.get("chat_template_kwargs", {})
 
     async def train(
         self,
         trajectory_groups: Iterable[TrajectoryGroup],
         config: TrainConfig | None = None,
+        _config: dev.TrainConfig | None = None,
         *,
         verbose: bool = False,
         **kwargs,
     ) -> TrainResult:
         """One training step on the groups, as in ART 0.4: returns when the new adapter is served.
 
+        ``_config`` (``art.dev.TrainConfig``) and keyword arguments are ART's advanced settings,
+        translated or refused by name (``artery.dev``).
+
         The step's metrics (and the groups' averages) are logged under ``train/`` in
         ``history.jsonl``, so ``delete_checkpoints`` can pick the best step.
         """
         groups = list(trajectory_groups)
-        result = await self.backend.train(self, groups, config=config, **kwargs)
+        result = await self.backend.train(self, groups, config=config, **{**(_config or {}), **kwargs})
         row = {f"train/{k}": v for k, v in summarize(groups).items()}
         row.update({f"train/{k}": v for k, v in result.metrics.items() if k not in ("reward",)})
         _append_history(
@@ -209,6 +248,34 @@ class TrainableModel(Model):
         if verbose:
             print(
                 f"step {result.step}: " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(result.metrics.items()))
+            )
+        return result
+
+    async def train_sft(
+        self,
+        trajectories: Iterable[Trajectory],
+        config: TrainSFTConfig | None = None,
+        _config: dict[str, Any] | None = None,
+        verbose: bool = False,
+    ) -> TrainResult:
+        """Supervised fine-tuning, as ART's ``train_sft``: cross-entropy on the assistant turns of
+        ``trajectories`` (in order, ``config.batch_size`` per update, ``config.learning_rate`` one
+        rate or one per batch). One step: returns when the new adapter is served.
+
+        The step's metrics are logged under ``train/`` in ``history.jsonl``, as ``train()``'s.
+        ``_config`` (ART's ``dev.TrainSFTConfig``) has no setting Artery honours: it must be empty.
+        """
+        if _config:
+            raise ValueError(f"train_sft(_config=...): no setting of {sorted(_config)} is supported")
+        result = await self.backend.train_sft(self, list(trajectories), config)
+        row = {f"train/{k}": v for k, v in result.metrics.items()}
+        _append_history(
+            self.directory / "history.jsonl", {"step": result.step, "recorded_at": time.time(), **row}
+        )
+        if verbose:
+            print(
+                f"sft step {result.step}: "
+                + ", ".join(f"{k}={v:.4g}" for k, v in sorted(result.metrics.items()))
             )
         return result
 
@@ -222,13 +289,18 @@ class TrainableModel(Model):
         )
 
 
-def traced_transport(inner):
-    """An httpx transport that sends each request in a CLIENT span, with its ``traceparent``."""
+def traced_transport(inner, *, body_defaults: dict[str, Any] | None = None):
+    """An httpx transport that sends each request in a CLIENT span, with its ``traceparent``.
+
+    ``body_defaults`` are added to every chat-completion request body that does not set them
+    (ART's client does this for ``chat_template_kwargs``)."""
     import httpx
 
     class TracedTransport(httpx.AsyncBaseTransport):
         async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
             path = request.url.path
+            if body_defaults and request.method == "POST" and path.endswith("/chat/completions"):
+                request = _with_body_defaults(request, body_defaults)
             name = "artery.completion" if path.endswith("completions") else f"artery.http {request.method}"
             with _tracer.start_as_current_span(
                 name,
@@ -250,6 +322,21 @@ def traced_transport(inner):
             await inner.aclose()
 
     return TracedTransport()
+
+
+def _with_body_defaults(request, defaults: dict[str, Any]):
+    """The same request with ``defaults`` merged into its JSON body (keys it sets win)."""
+    import httpx
+
+    try:
+        body = json.loads(request.content)
+    except ValueError:
+        return request  # not JSON: the server will say so
+    if not isinstance(body, dict):
+        return request
+    body = {**defaults, **body}
+    headers = [(k, v) for k, v in request.headers.multi_items() if k.lower() != "content-length"]
+    return httpx.Request(request.method, request.url, headers=headers, content=json.dumps(body).encode())
 
 
 def _append_history(path: Path, row: dict[str, Any]) -> None:

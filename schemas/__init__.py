@@ -21,8 +21,16 @@ from artery.schemas.checkpoints import (
 from artery.schemas.control import PauseAck, PauseInference, ReplicaInfo, ResumeAck, ResumeInference
 from artery.schemas.deadletter import DeadLetter
 from artery.schemas.groups import GroupReady, GroupScored, JudgeUsage, TrajectoryScore
-from artery.schemas.models import ModelRecord
-from artery.schemas.training import TrainCompleted, TrainConfig, TrainFailed, TrainRequested
+from artery.schemas.models import LoraSpec, ModelRecord
+from artery.schemas.training import (
+    TrainCompleted,
+    TrainConfig,
+    TrainFailed,
+    TrainRequest,
+    TrainRequested,
+    TrainSFTConfig,
+    TrainSFTRequested,
+)
 from artery.schemas.trajectory import (
     ContentPart,
     FunctionCall,
@@ -59,6 +67,7 @@ __all__ = [
     "ImagePart",
     "ImageURL",
     "JudgeUsage",
+    "LoraSpec",
     "Message",
     "ModelRecord",
     "PauseAck",
@@ -78,7 +87,10 @@ __all__ = [
     "TrainCompleted",
     "TrainConfig",
     "TrainFailed",
+    "TrainRequest",
     "TrainRequested",
+    "TrainSFTConfig",
+    "TrainSFTRequested",
     "Trajectory",
     "TrajectoryException",
     "TrajectoryGroupSubmitted",

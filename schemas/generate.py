@@ -50,6 +50,7 @@ from artery.schemas import (
     TrainCompleted,
     TrainFailed,
     TrainRequested,
+    TrainSFTRequested,
     TrajectoryGroupSubmitted,
 )
 from artery.schemas.base import NAME_PATTERN
@@ -143,6 +144,12 @@ class Channel:
     consumers: str
     #: For request/reply: the id of the channel the answer comes back on.
     reply: str | None = None
+    #: Other events on the same subject (a tagged union with ``message``), told apart by ``event``.
+    also: tuple[type[Event], ...] = ()
+
+    @property
+    def messages(self) -> tuple[type[Event], ...]:
+        return (self.message, *self.also)
 
 
 def channels() -> list[Channel]:
@@ -158,7 +165,7 @@ def channels() -> list[Channel]:
         Channel("groupScored", s.group_scored(p, m), s.GROUPS, GroupScored,
                 "the reward service", "the trainer"),
         Channel("trainRequested", s.train("requested", p, m), s.TRAINING, TrainRequested,
-                "the SDK", "the trainer"),
+                "the SDK", "the trainer", also=(TrainSFTRequested,)),
         Channel("trainCompleted", s.train("completed", p, m), s.TRAINING, TrainCompleted,
                 "the trainer", "the SDK"),
         Channel("trainFailed", s.train("failed", p, m), s.TRAINING, TrainFailed, "the trainer", "the SDK"),
@@ -302,7 +309,7 @@ def asyncapi() -> dict:
     doc_channels: dict[str, dict] = {}
     operations: dict[str, dict] = {}
     for ch in all_channels.values():
-        name = ch.message.__name__
+        names = [cls.__name__ for cls in ch.messages]
         stream = ch.stream.name if ch.stream else "none (request/reply)"
         if ch.address is None:
             where = "The requester's reply inbox (`_INBOX.…`), chosen per request."
@@ -311,7 +318,7 @@ def asyncapi() -> dict:
         doc_channels[ch.id] = {
             "address": ch.address,
             "description": f"{where} Published by {ch.publishers}; consumed by {ch.consumers}.",
-            "messages": {name: _ref("components", "messages", name)},
+            "messages": {name: _ref("components", "messages", name) for name in names},
             "x-jetstream-stream": stream,
         }
         params = re.findall(r"\{(\w+)\}", ch.address or "")
@@ -323,7 +330,7 @@ def asyncapi() -> dict:
             op = {
                 "action": action,
                 "channel": _ref("channels", ch.id),
-                "messages": [_ref("channels", ch.id, "messages", name)],
+                "messages": [_ref("channels", ch.id, "messages", name) for name in names],
                 "summary": f"{'Published' if action == 'send' else 'Consumed'} by {who}.",
             }
             if ch.reply:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Literal
 
 import msgspec
@@ -39,6 +40,62 @@ class TrainRequested(Event, kw_only=True, tag="train.requested"):
     max_steps_off_policy: int | None = None
 
 
+#: The most batches (learning rates) one SFT request may name.
+MAX_SFT_BATCHES = 100_000
+#: What ``batch_size="auto"`` resolves to: ART's LocalBackend default (2 trajectories per batch).
+SFT_AUTO_BATCH_SIZE = 2
+LearningRate = Annotated[float, msgspec.Meta(gt=0)]
+
+
+class TrainSFTConfig(Struct, kw_only=True):
+    """ART's ``TrainSFTConfig``: supervised fine-tuning on the assistant turns of trajectories.
+
+    The trajectories are trained in order, ``batch_size`` per optimizer step; ``learning_rate`` is
+    one rate for every batch, or a list with one rate per batch (a schedule), in order.
+    """
+
+    learning_rate: (
+        LearningRate | Annotated[list[LearningRate], msgspec.Meta(min_length=1, max_length=MAX_SFT_BATCHES)]
+    ) = 5e-5
+    #: Trajectories per optimizer step; ``"auto"`` is ``SFT_AUTO_BATCH_SIZE``.
+    batch_size: Annotated[int, msgspec.Meta(ge=1)] | Literal["auto"] = "auto"
+
+    def resolved_batch_size(self) -> int:
+        return SFT_AUTO_BATCH_SIZE if self.batch_size == "auto" else self.batch_size
+
+    def learning_rates(self, num_trajectories: int) -> list[float]:
+        """The learning rate of each batch, for ``num_trajectories`` trajectories in order.
+
+        Raises ``ValueError`` when a list of rates does not have one per batch, or a rate is
+        not a finite positive number (msgpack carries NaN and infinities)."""
+        batches = math.ceil(num_trajectories / self.resolved_batch_size())
+        if isinstance(self.learning_rate, list):
+            rates = [float(r) for r in self.learning_rate]
+            if len(rates) != batches:
+                raise ValueError(
+                    f"{len(rates)} learning rates for {batches} batches"
+                    f" ({num_trajectories} trajectories, {self.resolved_batch_size()} per batch)"
+                )
+        else:
+            rates = [float(self.learning_rate)] * batches
+        if not all(math.isfinite(r) and r > 0 for r in rates):
+            raise ValueError("learning rates must be finite and > 0")
+        return rates
+
+
+class TrainSFTRequested(Event, kw_only=True, tag="train.sft_requested"):
+    """One supervised fine-tuning step over the named groups' trajectories (stored by the collector).
+
+    Published on the same subject as ``train.requested`` and answered the same way
+    (``train.completed`` or ``train.failed`` with its ``request_id``): the trajectories of the
+    groups, in the order of ``group_ids``, are trained with cross-entropy on their assistant
+    tokens, ``config.batch_size`` per optimizer step, and the step is published like a GRPO step.
+    """
+
+    group_ids: Annotated[list[EventId], msgspec.Meta(min_length=1, max_length=MAX_GROUPS_PER_STEP)]
+    config: TrainSFTConfig = msgspec.field(default_factory=TrainSFTConfig)
+
+
 class TrainCompleted(Event, kw_only=True, tag="train.completed"):
     """``step`` (envelope) is the new policy version; the adapter is published as it."""
 
@@ -56,5 +113,17 @@ class TrainFailed(Event, kw_only=True, tag="train.failed"):
     retriable: bool = False
 
 
-TrainingEvent = TrainRequested | TrainCompleted | TrainFailed
-__all__ = ["LossFn", "Step", "TrainCompleted", "TrainConfig", "TrainFailed", "TrainRequested"]
+#: What the trainer consumes on ``artery.train.requested.<project>.<model>``.
+TrainRequest = TrainRequested | TrainSFTRequested
+TrainingEvent = TrainRequested | TrainSFTRequested | TrainCompleted | TrainFailed
+__all__ = [
+    "LossFn",
+    "Step",
+    "TrainCompleted",
+    "TrainConfig",
+    "TrainFailed",
+    "TrainRequest",
+    "TrainRequested",
+    "TrainSFTConfig",
+    "TrainSFTRequested",
+]

@@ -49,6 +49,8 @@ from artery.schemas import (
     TrainConfig,
     TrainFailed,
     TrainRequested,
+    TrainSFTConfig,
+    TrainSFTRequested,
     Trajectory,
     TrajectoryException,
     TrajectoryGroupSubmitted,
@@ -149,6 +151,9 @@ EXAMPLES: list[Event] = [
         group_ids=["g-1", "g-2"],
         config=TrainConfig(learning_rate=1e-5, loss_fn="grpo", grad_accumulation_sequences=4),
         max_steps_off_policy=1,
+    ),
+    TrainSFTRequested(
+        **ENVELOPE, group_ids=["g-1"], config=TrainSFTConfig(learning_rate=[2e-5, 1e-5], batch_size=4)
     ),
     TrainCompleted(**ENVELOPE, request_id="r-1", metrics={"loss": 0.125}, checkpoint="agent-1@4"),
     TrainFailed(**ENVELOPE, request_id="r-1", error="no trainable groups", retriable=False),

@@ -43,10 +43,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from artery.schemas import TrainConfig, Trajectory
+from artery.schemas import TrainConfig, TrainSFTConfig, Trajectory
 from artery.services.trainer.advantages import group_advantages, is_degenerate
 from artery.services.trainer.losses import LossConfig, LossFn, LossInputs, select_loss
-from artery.services.trainer.sequences import TrainingSequence, build_sequences, pad_batch
+from artery.services.trainer.sequences import TrainingSequence, build_sequences, pad_batch, sft_sequences
 
 #: Qwen2/Llama-style projection names, plus ``lm_head``. On the tiny test model (hidden size 64,
 #: tied input/output embeddings) a LoRA on attention and MLP alone barely moves the logits, and
@@ -277,6 +277,18 @@ def chunks(items: Sequence[TrainingSequence], size: int) -> Iterator[list[Traini
 def trained_tokens(sequence: TrainingSequence) -> int:
     """Trained tokens of a sequence; position 0 is never predicted (``pad_batch`` shifts it away)."""
     return sum(sequence.assistant_mask[1:])
+
+
+def sft_loss(logprobs: Tensor, mask: Tensor, num_tokens: float) -> Tensor:
+    """Supervised fine-tuning's cross-entropy: ``-sum(log p · mask) / num_tokens``.
+
+    ``logprobs`` [B,T-1] are the model's log-probabilities of the next tokens, ``mask`` [B,T-1] is 1
+    on the assistant tokens that are trained; ``num_tokens`` counts the trained tokens of the whole
+    batch (not of this micro-batch), so the micro-batches' losses add up to the batch's mean over
+    its assistant tokens. Positions outside the mask never contribute, whatever they hold.
+    """
+    picked = torch.where(mask > 0, logprobs, torch.zeros_like(logprobs))  # [B,T-1]
+    return -(picked * mask).sum() / num_tokens
 
 
 @functools.lru_cache(maxsize=16)
@@ -535,6 +547,78 @@ class Policy:
         if kl:
             result["kl_sum"] = kl_sum
         return result
+
+    def sft_step(
+        self, trajectories: Sequence[Trajectory], config: TrainSFTConfig, *, max_seq_len: int
+    ) -> StepResult:
+        """One supervised fine-tuning step (ART's ``train_sft``): the trajectories, in order,
+        ``config.batch_size`` per optimizer update, each batch at its own learning rate; the loss
+        is the cross-entropy of the assistant tokens (every assistant message is trained unless
+        ``trainable`` is False; rewards and sampled logprobs play no part). Raises ``ValueError``
+        when a list of learning rates does not have one rate per batch."""
+        started = time.perf_counter()
+        trajectories = list(trajectories)
+        rates = config.learning_rates(len(trajectories))
+        size = config.resolved_batch_size()
+        self.step += 1
+        counts: dict[str, float] = {}
+        updates: list[dict[str, float]] = []
+        for index, rate in enumerate(rates):
+            sequences, report = sft_sequences(
+                trajectories[index * size : (index + 1) * size], self.tokenizer, max_seq_len=max_seq_len
+            )
+            for key, value in report.counts().items():
+                counts[key] = counts.get(key, 0.0) + float(value)
+            if sequences:
+                updates.append(self._sft_update(sequences, rate))
+        metrics = {
+            **counts,
+            "batches": float(len(rates)),
+            "learning_rate": _mean(rates),
+            "tokens_trained": float(sum(u["tokens"] for u in updates)),
+        }
+        skip_reason = None
+        if not trajectories:
+            skip_reason = "no_groups"
+        elif not updates:
+            skip_reason = "no_trainable_sequences"
+        else:
+            tokens = sum(u["tokens"] for u in updates)
+            metrics["loss"] = sum(u["loss"] * u["tokens"] for u in updates) / tokens  # per token
+            metrics["grad_norm"] = _mean([u["grad_norm"] for u in updates])
+            metrics["optimizer_steps"] = float(sum(u["applied"] for u in updates))
+            if not any(u["applied"] for u in updates):
+                skip_reason = "non_finite_gradient"
+            if self.device.type == "cpu":
+                release_freed_memory()
+        metrics["trained"] = float(skip_reason is None)
+        metrics["step_time_s"] = time.perf_counter() - started
+        return StepResult(
+            step=self.step, trained=skip_reason is None, skip_reason=skip_reason, metrics=metrics
+        )
+
+    def _sft_update(self, sequences: list[TrainingSequence], learning_rate: float) -> dict[str, float]:
+        """One optimizer update on ``sequences`` at ``learning_rate``, accumulated over micro-batches."""
+        model = self.model
+        model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        num_tokens = float(max(sum(trained_tokens(s) for s in sequences), 1))
+        loss_sum = 0.0
+        for micro in chunks(sequences, self.optim.micro_batch_size):
+            batch = {k: v.to(self.device) for k, v in pad_batch(micro, self.pad_id).items()}
+            logprobs = next_token_logprobs(model, batch, 1.0)  # [B,T-1]
+            loss = sft_loss(logprobs, batch["assistant_mask"], num_tokens)
+            loss.backward()
+            loss_sum += float(loss.detach())
+        params = [p for _, p in self.named_trainable]
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.optim.max_grad_norm))
+        applied = math.isfinite(grad_norm)
+        if applied:
+            for group in self.optimizer.param_groups:
+                group["lr"] = learning_rate
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"applied": float(applied), "loss": loss_sum, "grad_norm": grad_norm, "tokens": num_tokens}
 
     # --- checkpoints -------------------------------------------------------------------------------
 

@@ -385,6 +385,26 @@ def build_sequences(
     return sequences, report
 
 
+def sft_sequences(
+    trajectories: Sequence[Trajectory],
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    max_seq_len: int,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+) -> tuple[list[TrainingSequence], SequenceReport]:
+    """Supervised fine-tuning's sequences: every assistant message is trained unless its
+    ``trainable`` is False, sampled or not (a sample's exact tokens are kept; its logprobs play no
+    part in SFT's loss). ``trajectory_index`` is the position in ``trajectories``."""
+    return build_sequences(
+        [list(trajectories)],
+        [[1.0] * len(trajectories)],  # any advantage but 0: none is skipped
+        tokenizer,
+        max_seq_len=max_seq_len,
+        allow_training_without_logprobs=True,
+        chat_template_kwargs=chat_template_kwargs,
+    )
+
+
 # --------------------------------------------------------------------------- batches
 
 

@@ -1,4 +1,8 @@
-"""The trainer: a train request in, one GRPO step on the LoRA adapter, a checkpoint out.
+"""The trainer: a train request in, one GRPO (or SFT) step on the LoRA adapter, a checkpoint out.
+
+Two requests arrive on ``artery.train.requested.<project>.<model>``: ``train.requested`` (a GRPO
+step over scored groups) and ``train.sft_requested`` (supervised fine-tuning on the groups'
+trajectories, ART's ``train_sft``). Both take the same path and get the same answers.
 
 Around every step: wait until the request's groups are stored, pause every inference replica of
 the model (a lease, renewed while training), train, save the adapter and the optimizer state,
@@ -32,7 +36,8 @@ from artery.schemas import (
     ModelRecord,
     TrainCompleted,
     TrainFailed,
-    TrainRequested,
+    TrainRequest,
+    TrainSFTRequested,
 )
 from artery.services.trainer import checkpoints
 from artery.services.trainer.settings import TrainerSettings
@@ -52,10 +57,10 @@ log = get_logger(__name__)
 SERVICE = "trainer"
 TRAINER_CONSUMER = "trainer"
 _IDS = uuid.UUID("5b2d8f0e-6a1c-4f4e-9d55-747261696e21")
-_decoder = EventDecoder(TrainRequested)
+_decoder = EventDecoder(TrainRequest)
 
 
-def request_event_id(kind: str, request: TrainRequested) -> str:
+def request_event_id(kind: str, request: TrainRequest) -> str:
     """Ids of the events a request causes, the same on every redelivery (JetStream de-dupes) and
     scoped to the request's model: another project's request under the same id causes others
     (the publisher keys checkpoints on the ``checkpoint.saved`` id)."""
@@ -126,7 +131,10 @@ class Trainer(ConsumingService):
                 non_finite = [
                     name
                     for name, value in msgspec.structs.asdict(request.config).items()
-                    if isinstance(value, float) and not math.isfinite(value)
+                    if any(
+                        isinstance(v, float) and not math.isfinite(v)
+                        for v in (value if isinstance(value, list) else [value])
+                    )
                 ]
                 if non_finite:  # msgpack carries NaN and infinities, which JSON Schema cannot forbid
                     raise InvalidMessage(
@@ -149,6 +157,7 @@ class Trainer(ConsumingService):
                         "artery.model": request.model,
                         "artery.request_id": request.id,
                         "artery.groups": len(request.group_ids),
+                        "artery.kind": "sft" if isinstance(request, TrainSFTRequested) else "grpo",
                     },
                     links=extract_links(msg.headers),
                 ):
@@ -163,7 +172,7 @@ class Trainer(ConsumingService):
                 outcomes.append(DependencyUnavailable(f"inference did not pause: {exc}"))
         return outcomes
 
-    async def handle(self, request: TrainRequested) -> TrainCompleted | TrainFailed:
+    async def handle(self, request: TrainRequest) -> TrainCompleted | TrainFailed:
         async with self.db.connection() as conn:
             done = await completed_step(conn, request.project, request.model, request.id)
         if done is not None:  # a redelivery: answer again, train nothing
@@ -183,9 +192,17 @@ class Trainer(ConsumingService):
             groups = await self._wait_for_groups(request)
         except GroupsNotStored as exc:
             return await self._fail(request, str(exc), retriable=True)
-        return await self._train(request, record, groups)
+        if isinstance(request, TrainSFTRequested):
+            try:  # a schedule of learning rates must have one per batch: never trainable as sent
+                request.config.learning_rates(sum(len(g) for g in groups))
+            except ValueError as exc:
+                return await self._fail(request, str(exc), retriable=False)
+        try:
+            return await self._train(request, record, groups)
+        except checkpoints.LoraChanged as exc:  # asking again cannot help: the agent must hear why
+            return await self._fail(request, str(exc), retriable=False)
 
-    async def _model_record(self, request: TrainRequested) -> ModelRecord:
+    async def _model_record(self, request: TrainRequest) -> ModelRecord:
         found = await read_record(
             await self.js.key_value(subjects.MODELS_BUCKET), request.project, request.model
         )
@@ -204,7 +221,7 @@ class Trainer(ConsumingService):
             )
         return record
 
-    async def _wait_for_groups(self, request: TrainRequested) -> list:
+    async def _wait_for_groups(self, request: TrainRequest) -> list:
         """Groups are published just before the request; the collector may still be writing them."""
         deadline = time.monotonic() + self.settings.group_wait_s
         wanted = set(request.group_ids)
@@ -220,7 +237,7 @@ class Trainer(ConsumingService):
                 )
             await asyncio.sleep(0.1)  # (keep_alive tells JetStream we are still at it)
 
-    async def _train(self, request: TrainRequested, record: ModelRecord, groups: list) -> TrainCompleted:
+    async def _train(self, request: TrainRequest, record: ModelRecord, groups: list) -> TrainCompleted:
         started = time.monotonic()
         policy, step = await self.policies.get(record)
         already = checkpoints.step_for_request(self.settings, record, request.id)
@@ -236,13 +253,21 @@ class Trainer(ConsumingService):
                 timeout_s=self.settings.pause_timeout_s,
             ) as lease:
                 pause_s = time.monotonic() - started
-                result = await asyncio.to_thread(
-                    policy.train_step,
-                    groups,
-                    request.config,
-                    max_seq_len=self.settings.max_seq_len,
-                    temperature=self.settings.temperature,
-                )
+                if isinstance(request, TrainSFTRequested):
+                    result = await asyncio.to_thread(
+                        policy.sft_step,
+                        [t for group in groups for t in group],
+                        request.config,
+                        max_seq_len=self.settings.max_seq_len,
+                    )
+                else:
+                    result = await asyncio.to_thread(
+                        policy.train_step,
+                        groups,
+                        request.config,
+                        max_seq_len=self.settings.max_seq_len,
+                        temperature=self.settings.temperature,
+                    )
                 new_step = step + 1
                 save_started = time.monotonic()
                 await asyncio.to_thread(
@@ -286,7 +311,7 @@ class Trainer(ConsumingService):
         return await self._complete(request, new_step, metrics)
 
     async def _publish_checkpoint(
-        self, request: TrainRequested, record: ModelRecord, step: int, metrics
+        self, request: TrainRequest, record: ModelRecord, step: int, metrics
     ) -> None:
         path, sha256, size = await asyncio.to_thread(checkpoints.packed_adapter, self.settings, record, step)
         await publish_event(
@@ -305,7 +330,7 @@ class Trainer(ConsumingService):
             ),
         )
 
-    async def _advance_registry(self, request: TrainRequested, step: int) -> None:
+    async def _advance_registry(self, request: TrainRequest, step: int) -> None:
         """The model's step in the registry, compare-and-set so a concurrent register keeps its fields."""
         kv = await self.js.key_value(subjects.MODELS_BUCKET)
         key = subjects.model_key(request.project, request.model)
@@ -326,7 +351,7 @@ class Trainer(ConsumingService):
                 await asyncio.sleep(0.05)
         raise DependencyUnavailable("could not advance the model's step in the registry")
 
-    async def _complete(self, request: TrainRequested, step: int, metrics: dict) -> TrainCompleted:
+    async def _complete(self, request: TrainRequest, step: int, metrics: dict) -> TrainCompleted:
         event = TrainCompleted(
             id=request_event_id("completed", request),
             project=request.project,
@@ -339,7 +364,7 @@ class Trainer(ConsumingService):
         await publish_event(self.js, subjects.train("completed", request.project, request.model), event)
         return event
 
-    async def _fail(self, request: TrainRequested, error: str, *, retriable: bool) -> TrainFailed:
+    async def _fail(self, request: TrainRequest, error: str, *, retriable: bool) -> TrainFailed:
         log.warning("train request failed", request_id=request.id, error=error)
         event = TrainFailed(
             id=request_event_id("failed", request),
