@@ -32,28 +32,64 @@ class TooManyExceptions(RuntimeError):
 
 
 class GatherContext:
-    def __init__(self, desc: str, max_exceptions: int | float, max_metrics: int | None = None):
+    def __init__(
+        self,
+        desc: str | None,
+        max_exceptions: int | float,
+        max_metrics: int | None = None,
+        *,
+        window_groups: int | None = None,
+    ):
         if max_exceptions < 0:
             raise ValueError("max_exceptions must be >= 0")
         self.max_exceptions = max_exceptions
         self.max_metrics = max_metrics
+        #: Set by ``trajectory_group_batches``: counts start again at each ``reset`` (each batch),
+        #: and a fractional ``max_exceptions`` is a fraction of one window's rollouts, that is
+        #: ``window_groups`` groups of the average size announced so far (as ART's batches).
+        self.window_groups = window_groups
         self.total = 0
         self.done = 0
         self.exceptions = 0
+        #: Every rollout and every ``add_total`` call (one per group) so far; never reset.
+        self.started = 0
+        self.started_calls = 0
         self.sums: dict[str, float] = {}
         self.counts: dict[str, int] = {}
+        self.desc = desc
         self.pbar = tqdm(total=0, desc=desc, unit="rollout", dynamic_ncols=True)
 
     def add_total(self, n: int) -> None:
         self.total += n
-        self.pbar.total = self.total
+        self.started += n
+        self.started_calls += 1
+        self.pbar.total = self._expected()
         self.pbar.refresh()
 
+    def _expected(self) -> int:
+        """The rollouts a fraction of exceptions is measured against (and the bar's total)."""
+        if self.window_groups is not None and self.started_calls:
+            return round(self.window_groups * self.started / self.started_calls)
+        return self.total
+
     def allowed_exceptions(self) -> float:
-        """``0 < x < 1`` is a fraction of all rollouts; anything else is a count."""
+        """``0 < x < 1`` is a fraction of all rollouts (of one window's); anything else is a count."""
         if 0 < self.max_exceptions < 1:
-            return math.floor(self.max_exceptions * max(self.total, 1))
+            return math.floor(self.max_exceptions * max(self._expected(), 1))
         return self.max_exceptions
+
+    def reset(self) -> None:
+        """Start a new window (the next batch): exceptions, means and the bar from zero.
+
+        Rollouts still running stay announced; they finish in the new window.
+        """
+        self.total -= self.done
+        self.done = 0
+        self.exceptions = 0
+        self.sums = {}
+        self.counts = {}
+        self.pbar.close()
+        self.pbar = tqdm(total=self._expected(), desc=self.desc, unit="rollout", dynamic_ncols=True)
 
     def record_exception(self, exc: BaseException) -> None:
         self.exceptions += 1
