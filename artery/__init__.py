@@ -5,30 +5,49 @@ rollouts of one input form a ``TrajectoryGroup``, and ``model.publish(groups)`` 
 the services (collector → reward → trainer).
 """
 
-from artery import rewards
+from artery import dev, local, rewards, utils
+from artery.auto_trajectory import auto_trajectory, capture_auto_trajectory
 from artery.backend import Backend, LocalBackend, TrainingFailed, TrainResult
+from artery.batches import trajectory_group_batches
 from artery.gather import TooManyExceptions, gather_trajectories, gather_trajectory_groups
 from artery.model import Model, TrainableModel
 from artery.retry import retry
-from artery.schemas import RewardSpec, RulerSpec, TrainConfig
+from artery.schemas import RewardSpec, RulerSpec, TrainConfig, TrainSFTConfig
 from artery.trajectories import History, Trajectory, TrajectoryGroup
+from artery.types import Messages, MessagesAndChoices, Tools
+from artery.yield_trajectory import capture_yielded_trajectory, yield_trajectory
+
+LoRAConfig = dev.LoRAConfig
 
 __all__ = [
     "Backend",
     "History",
+    "LoRAConfig",
     "LocalBackend",
+    "Messages",
+    "MessagesAndChoices",
     "Model",
     "RewardSpec",
     "RulerSpec",
     "TooManyExceptions",
+    "Tools",
     "TrainConfig",
     "TrainResult",
+    "TrainSFTConfig",
     "TrainableModel",
     "TrainingFailed",
     "Trajectory",
     "TrajectoryGroup",
+    "auto_trajectory",
+    "capture_auto_trajectory",
+    "capture_yielded_trajectory",
+    "dev",
     "gather_trajectories",
     "gather_trajectory_groups",
+    "local",
     "retry",
     "rewards",
+    "trajectory_group_batches",
+    "utils",
+    "yield_trajectory",
 ]

@@ -182,6 +182,12 @@ class TrajectoryGroup:
             check_finite(event)
         except InvalidMessage as exc:
             raise ValueError(f"{exc.kind}: {exc.reason}") from None
+        # Sent again unchanged (ART's ``model.log(groups, split="train")`` after ``train()``, when the
+        # step has moved on), a group is the same event, byte for byte: a redelivery, never a conflict.
+        sent = getattr(self, "_sent", None)
+        if sent is not None and msgspec.structs.replace(event, time=sent.time, step=sent.step) == sent:
+            return sent
+        self._sent = event
         return event
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
 from nats.errors import NoRespondersError
 from nats.js.errors import NoStreamResponseError
@@ -58,3 +59,15 @@ def test_a_group_keeps_its_event_id_across_calls():
     assert g.to_event(project="demo", model="agent").id == first.id
     other = art.TrajectoryGroup([art.Trajectory(messages_and_choices=[{"role": "user", "content": "hi"}])])
     assert other.to_event(project="demo", model="agent").id != first.id
+
+
+def test_a_group_sent_again_unchanged_is_the_same_event_even_after_the_step_moved():
+    """ART's ``model.log(groups, step=result.step, split="train")`` after ``train()`` publishes the
+    trained groups again at a later step: the same bytes, so the collector sees a redelivery."""
+    g = art.TrajectoryGroup([art.Trajectory(messages_and_choices=[{"role": "user", "content": "hi"}])])
+    first = g.to_event(project="demo", model="agent", step=0, split="train")
+    again = g.to_event(project="demo", model="agent", step=1, split="train")
+    assert msgspec.json.encode(again) == msgspec.json.encode(first)
+    g.trajectories[0].reward = 1.0  # changed since: a new body under the same id (a conflict)
+    changed = g.to_event(project="demo", model="agent", step=1, split="train")
+    assert changed.id == first.id and changed.trajectories[0].reward == 1.0 and changed.step == 1
