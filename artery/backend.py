@@ -56,6 +56,7 @@ from artery.shared.tracing import (
     setup_sdk_tracing,
     tracer,
 )
+from artery.shared.wakeup import woken_by
 from artery.stack import Stack
 from artery.trajectories import Trajectory, TrajectoryGroup
 
@@ -66,6 +67,8 @@ _outcome_decoder = msgspec.json.Decoder(TrainCompleted | TrainFailed)
 #: The most trajectories ``train_sft`` publishes in one group.
 SFT_GROUP_SIZE = 64
 _tracer = tracer("artery.sdk")
+#: Waits driven by events still look again this often, in case an event was missed.
+_RECHECK_S = 2.0
 #: Set by ``train()``: where ``publish`` notes the span of each submission.
 _submissions: contextvars.ContextVar[list | None] = contextvars.ContextVar("artery_submissions", default=None)
 
@@ -227,20 +230,26 @@ class Backend:
         groups: Iterable[TrajectoryGroup],
         *,
         config: TrainConfig | None = None,
+        max_steps_off_policy: int | None = None,
         timeout_s: float | None = None,
         wait_for_serving_s: float = 120.0,
         **config_fields,
     ) -> TrainResult:
         """One GRPO step on ``groups``; returns once the new adapter is served by every replica.
 
-        Keyword arguments not named here are ``TrainConfig`` fields (``learning_rate=``,
-        ``loss_fn=``...) or ART's ``backend.train`` keywords (``art.dev.TrainConfig`` keys).
+        ``max_steps_off_policy`` (asynchronous mode): inference keeps serving while the step
+        trains; trajectories sampled more than that many steps before it are dropped and the rest
+        corrected for the policy gap (see ``TrainRequested``). Keyword arguments not named here are
+        ``TrainConfig`` fields (``learning_rate=``, ``loss_fn=``...) or ART's ``backend.train``
+        keywords (``art.dev.TrainConfig`` keys).
         """
         # ART's keywords (``ppo=``, ``normalize_advantages=``, ``importance_sampling_level=``...) are
         # translated or refused by name (``artery.dev``), never passed through unread.
         fields = train_config_fields(config_fields)
         config = msgspec.structs.replace(config or TrainConfig(), **fields) if fields else config
-        request = functools.partial(TrainRequested, config=config or TrainConfig())
+        request = functools.partial(
+            TrainRequested, config=config or TrainConfig(), max_steps_off_policy=max_steps_off_policy
+        )
         return await self._train("artery.train", model, groups, request, timeout_s, wait_for_serving_s)
 
     async def train_sft(
@@ -337,18 +346,28 @@ class Backend:
                 return outcome
 
     async def _wait_until_served(self, model: Model, step: int, timeout_s: float) -> None:
-        """Every live replica of the model lists ``<model>@<step>`` (they load it after publication)."""
+        """Every live replica of the model lists ``<model>@<step>`` (they load it after publication).
+
+        Woken by the replicas' registry entries changing (a replica writes its entry the moment it
+        serves a new step), not by a timer; the registry is read again at least every
+        ``_RECHECK_S`` in case a change was missed (a reconnect)."""
         name = model.get_inference_name(step)
+        keys = subjects.replica_keys(model.project, model.name)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while True:
-            replicas = await live_replicas(await self._js(), model.project, model.name)
-            if all(name in r.served for r in replicas):
-                return
-            if loop.time() > deadline:
-                lagging = [r.replica_id for r in replicas if name not in r.served]
-                raise TimeoutError(f"{name} not served within {timeout_s}s by {lagging}")
-            await asyncio.sleep(0.1)
+        async with woken_by(
+            await self._connect(), subjects.kv_updates(subjects.REPLICAS_BUCKET, keys)
+        ) as wake:
+            while True:
+                wake.clear()  # before reading: a change during the read wakes the next wait
+                replicas = await live_replicas(await self._js(), model.project, model.name)
+                if all(name in r.served for r in replicas):
+                    return
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    lagging = [r.replica_id for r in replicas if name not in r.served]
+                    raise TimeoutError(f"{name} not served within {timeout_s}s by {lagging}")
+                await wake.wait(min(remaining, _RECHECK_S))
 
     async def delete_checkpoints(
         self, model: Model, *, best_checkpoint_metric: str | None = "reward_mean", keep_latest: int = 1
@@ -403,6 +422,7 @@ class LocalBackend(Backend):
         inference_env: dict[str, str] | None = None,
         secure: bool = False,
         project: str | None = None,
+        engine: str | None = None,
     ):
         super().__init__(nats_url="nats://127.0.0.1:0")
         if in_process:
@@ -426,6 +446,8 @@ class LocalBackend(Backend):
             self.inference_api_key = secret_value(None, key_file, "ARTERY_INFERENCE_API_KEY")
         #: Extra ``ARTERY_INFERENCE_*`` settings for the replicas it starts (engine, device...).
         self.inference_env = dict(inference_env or {})
+        if engine is not None:  # "vllm": replicas run from .venv-vllm (make setup-vllm), see Stack
+            self.inference_env["ARTERY_INFERENCE_ENGINE"] = engine
         self.start_inference = start_inference
         self._started = False
 

@@ -68,6 +68,7 @@ def choice_to_message(choice: Any) -> Message:
             logprobs=logprobs,
             top_logprobs=top if any(top) else None,
             finish_reason=data.get("finish_reason"),
+            served_model=_served_model(data.get("served_model") or _extra(choice, "served_model")),
         )
     wire = msgspec.convert(message, Message)
     wire.sample = sample
@@ -75,6 +76,11 @@ def choice_to_message(choice: Any) -> Message:
     if wire.content is None and not wire.tool_calls:
         wire.content = ""  # as ART does: an empty answer is still an answer
     return wire
+
+
+def _served_model(value: Any) -> str | None:
+    """``<model>@<step>`` of the policy that sampled the choice (Artery's inference says so)."""
+    return value if isinstance(value, str) else None
 
 
 def _extra(obj: Any, name: str) -> Any:

@@ -36,8 +36,11 @@ class TrainRequested(Event, kw_only=True, tag="train.requested"):
 
     group_ids: Annotated[list[EventId], msgspec.Meta(min_length=1, max_length=MAX_GROUPS_PER_STEP)]
     config: TrainConfig = msgspec.field(default_factory=TrainConfig)
-    #: Off-policy mode: groups sampled more than this many steps ago are dropped.
-    max_steps_off_policy: int | None = None
+    #: Asynchronous (off-policy) mode when set: inference is not paused while the step trains,
+    #: trajectories sampled more than this many steps before the step's starting policy are
+    #: dropped (and counted), and the rest are corrected by truncated importance sampling on their
+    #: sampled logprobs (``config.truncated_importance_sampling``, default cap 2.0).
+    max_steps_off_policy: Annotated[int, msgspec.Meta(ge=0, le=1000)] | None = None
 
 
 #: The most batches (learning rates) one SFT request may name.

@@ -240,7 +240,13 @@ def permissions(role: str, user: str, *, project: str | None = None) -> Permissi
                 *_kv_write(models, f"{project}.*"),  # register() writes its own models' records
                 *_kv_scan(replicas, f"{project}.>"),  # finding a replica's URL, in its project
             ),
-            subscribe=(subjects.train("*", project, ">"), inbox),
+            subscribe=(
+                subjects.train("*", project, ">"),
+                # train() returns when every replica serves the new step: it hears their
+                # registry entries change instead of polling them.
+                subjects.kv_updates(replicas, f"{project}.>"),
+                inbox,
+            ),
             deny_publish=(*deny, *AGENT_DENIED_ADMIN),
         )
     if project is not None:
@@ -254,6 +260,8 @@ def permissions(role: str, user: str, *, project: str | None = None) -> Permissi
         verdicts = subjects.VERDICTS_BUCKET
         publish += [subjects.group_scored("*", "*"), *_kv_read(verdicts), *_kv_write(verdicts)]
     elif role == "trainer":
+        # A request waits for its groups to be stored (and judged): woken by these, not a timer.
+        subscribe += [subjects.group_ready("*", "*"), subjects.group_scored("*", "*")]
         publish += [
             subjects.train("completed", "*", "*"),
             subjects.train("failed", "*", "*"),

@@ -115,6 +115,12 @@ def replica_keys(project: str, model: str) -> str:
     return f"{project}.{model}.>"
 
 
+def kv_updates(bucket: str, keys: str) -> str:
+    """The subject a KV bucket's puts and deletes of ``keys`` are published on: a plain
+    subscription hears each change as it is stored (no consumer, so permissions can scope it)."""
+    return f"$KV.{bucket}.{keys}"
+
+
 def parse_trajectories(subject: str) -> tuple[str, str] | None:
     """(project, model) of a trajectory subject, or None when it is not one."""
     parts = subject.split(".")

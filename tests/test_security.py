@@ -59,7 +59,11 @@ def test_permissions_follow_the_subjects_module():
     agent = permissions("agent", "agent-alpha", project=PROJECT)
     assert subjects.trajectories(PROJECT, ">") in agent.publish
     assert not any(OTHER in s for s in agent.publish + agent.subscribe)
-    assert agent.subscribe == (subjects.train("*", PROJECT, ">"), "_INBOX.agent-alpha.>")
+    assert agent.subscribe == (
+        subjects.train("*", PROJECT, ">"),
+        subjects.kv_updates(subjects.REPLICAS_BUCKET, f"{PROJECT}.>"),  # its replicas' entries
+        "_INBOX.agent-alpha.>",
+    )
     for role in ROLES:
         p = permissions(role, role, project=PROJECT if role == "agent" else None)
         pauses = any(s.startswith(f"{subjects.PREFIX}.control.inference") for s in p.publish)
@@ -269,7 +273,20 @@ async def test_agent_reads_its_own_projects_models_and_replicas_only(secured):
                 f"$JS.API.CONSUMER.CREATE.KV_{subjects.REPLICAS_BUCKET}",
                 (await agent.js.key_value(subjects.REPLICAS_BUCKET)).watchall(),
             ),
+            # Hearing another project's replicas change (train() listens to its own) is refused.
+            agent.denied(
+                f"$KV.{subjects.REPLICAS_BUCKET}.{OTHER}.",
+                agent.nc.subscribe(subjects.kv_updates(subjects.REPLICAS_BUCKET, f"{OTHER}.>")),
+                what="Subscription",
+            ),
         )
+        # Its own replicas' entries it hears as they are written.
+        own = await agent.nc.subscribe(subjects.kv_updates(subjects.REPLICAS_BUCKET, f"{PROJECT}.>"))
+        await agent.nc.flush()
+        await registries[0].beat()
+        heard = await own.next_msg(timeout=5)
+        entry = subjects.replica_key(PROJECT, MODEL, "r-alpha")
+        assert heard.subject == subjects.kv_updates(subjects.REPLICAS_BUCKET, entry)
         # The trainer reads every project's replicas: it pauses them all.
         trainer = await secured.connect("trainer")
         for project in (PROJECT, OTHER):

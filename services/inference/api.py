@@ -244,7 +244,10 @@ def _completion(
     completions: list,
     pieces: TokenPieces,
 ) -> ChatCompletion:
-    choices = [build_choice(c, request, pieces) for c in sorted(completions, key=lambda c: c.index)]
+    choices = [
+        msgspec.structs.replace(build_choice(c, request, pieces), served_model=resolved.served_name)
+        for c in sorted(completions, key=lambda c: c.index)
+    ]
     generated = sum(len(choice.token_ids) for choice in choices)
     return ChatCompletion(
         id=request_id,

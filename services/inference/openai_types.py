@@ -269,6 +269,9 @@ class Choice(Response, kw_only=True):
     finish_reason: FinishReason
     #: Artery: the sampled token ids of this completion.
     token_ids: list[int]
+    #: Artery: ``<model>@<step>``, the policy that sampled it (kept with the choice when an agent
+    #: appends it to a trajectory: the trainer measures each sample's staleness by it).
+    served_model: str | None = None
 
 
 class Usage(Response, kw_only=True):

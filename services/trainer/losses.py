@@ -161,6 +161,33 @@ def truncated_is_weight(old_logprobs: Tensor, sampler_logprobs: Tensor, cap: flo
     return torch.clamp(torch.exp(old_logprobs - sampler), max=cap).detach()  # [B,T]
 
 
+#: The truncation cap of the off-policy correction when the request names none (prime-rl and
+#: ART users commonly set 2.0): a token whose sampler found it twice less likely than the current
+#: policy does is not allowed to weigh more than twice.
+DEFAULT_OFF_POLICY_TIS_CAP = 2.0
+
+
+def off_policy_inputs(logprobs: Tensor, sampled_logprobs: Tensor) -> tuple[Tensor, Tensor]:
+    """Asynchronous mode: the proximal ("old") policy is the current one, detached, and the
+    sampler's logprobs go to the truncated importance weight. With one update per step the ratio
+    of the clipped term is then 1 (its gradient the plain policy gradient) and the policy gap
+    between sampler and learner is corrected by ``min(exp(current - sampled), cap)`` per token.
+    Returns ``(old_logprobs, sampler_logprobs)`` for ``LossInputs``."""
+    return logprobs.detach(), sampled_logprobs  # [B,T] x2
+
+
+def importance_stats(
+    old_logprobs: Tensor, sampler_logprobs: Tensor, mask: Tensor, cap: float
+) -> tuple[float, float]:
+    """The mean untruncated importance ratio ``exp(old - sampler)`` over trained tokens whose
+    sampler logprob is known, and the share of them that the cap truncated."""
+    known = mask.bool() & ~torch.isnan(sampler_logprobs)  # [B,T]
+    if not bool(known.any()):
+        return 1.0, 0.0
+    ratio = torch.exp(old_logprobs.detach() - torch.nan_to_num(sampler_logprobs))[known]  # [N]
+    return float(ratio.mean()), float((ratio > cap).float().mean())
+
+
 def fill_unknown(old_logprobs: Tensor, logprobs: Tensor) -> Tensor:
     """NaN old logprobs become the new ones, detached: ratio 1 there (as ART)."""
     return torch.where(torch.isnan(old_logprobs), logprobs.detach(), old_logprobs)  # [B,T]

@@ -45,7 +45,15 @@ from torch import Tensor
 
 from artery.schemas import TrainConfig, TrainSFTConfig, Trajectory
 from artery.services.trainer.advantages import group_advantages, is_degenerate
-from artery.services.trainer.losses import LossConfig, LossFn, LossInputs, select_loss
+from artery.services.trainer.losses import (
+    DEFAULT_OFF_POLICY_TIS_CAP,
+    LossConfig,
+    LossFn,
+    LossInputs,
+    importance_stats,
+    off_policy_inputs,
+    select_loss,
+)
 from artery.services.trainer.sequences import TrainingSequence, build_sequences, pad_batch, sft_sequences
 
 #: Qwen2/Llama-style projection names, plus ``lm_head``. On the tiny test model (hidden size 64,
@@ -297,7 +305,10 @@ def cached_loss(config: LossConfig) -> LossFn:
     return select_loss(config)
 
 
-def loss_config(config: TrainConfig, *, max_seq_len: int) -> LossConfig:
+def loss_config(config: TrainConfig, *, max_seq_len: int, off_policy: bool = False) -> LossConfig:
+    tis = config.truncated_importance_sampling
+    if off_policy and tis is None:  # off-policy samples are always corrected, capped
+        tis = DEFAULT_OFF_POLICY_TIS_CAP
     return LossConfig(
         name=config.loss_fn,
         epsilon=config.epsilon,
@@ -306,7 +317,7 @@ def loss_config(config: TrainConfig, *, max_seq_len: int) -> LossConfig:
         # longest sequence it accepts (constant over a run, which is what matters).
         max_completion_length=max_seq_len,
         kl_coef=config.kl_penalty_coef,
-        truncated_importance_sampling=config.truncated_importance_sampling,
+        truncated_importance_sampling=tis,
     )
 
 
@@ -441,6 +452,7 @@ class Policy:
         max_seq_len: int,
         temperature: float = 1.0,
         allow_training_without_logprobs: bool = False,
+        off_policy: bool = False,
     ) -> StepResult:
         """One GRPO step. ``temperature`` is the sampler's: new logprobs are taken at it, as the
         sampler's old ones were. ``config.grad_accumulation_sequences`` (when set) splits the step's
@@ -450,7 +462,10 @@ class Policy:
             raise ValueError("temperature must be > 0 (greedy samples have no logprobs to train on)")
         if config.max_grad_norm is not None and config.max_grad_norm <= 0:
             raise ValueError("max_grad_norm must be > 0 (or None for the default)")
-        loss_fn = cached_loss(loss_config(config, max_seq_len=max_seq_len))  # invalid settings raise here
+        settings = loss_config(config, max_seq_len=max_seq_len, off_policy=off_policy)
+        loss_fn = cached_loss(settings)  # invalid settings raise here
+        # Off-policy: the sampled logprobs weigh each token (truncated IS), not the ratio's "old".
+        is_cap = settings.truncated_importance_sampling if off_policy else None
         plan = plan_groups(groups, scale_rewards=config.scale_rewards)
         sequences, report = build_sequences(
             groups,
@@ -477,7 +492,7 @@ class Policy:
         if skip_reason is None:
             size = config.grad_accumulation_sequences or len(sequences)
             updates = [
-                self._update(part, loss_fn, config, temperature=temperature)
+                self._update(part, loss_fn, config, temperature=temperature, is_cap=is_cap)
                 for part in chunks(sequences, size)
             ]
             metrics.update(_merge_updates(updates))
@@ -492,16 +507,23 @@ class Policy:
         )
 
     def _update(
-        self, sequences: list[TrainingSequence], loss_fn: LossFn, config: TrainConfig, *, temperature: float
+        self,
+        sequences: list[TrainingSequence],
+        loss_fn: LossFn,
+        config: TrainConfig,
+        *,
+        temperature: float,
+        is_cap: float | None = None,
     ) -> dict[str, float]:
-        """One optimizer step over ``sequences``, accumulated over micro-batches."""
+        """One optimizer step over ``sequences``, accumulated over micro-batches. ``is_cap``: the
+        samples are off-policy, corrected by truncated importance sampling at that cap."""
         model = self.model
         model.train()
         self.optimizer.zero_grad(set_to_none=True)
         num_sequences = float(len(sequences))  # normalisers for the whole optimizer step
         num_tokens = float(max(sum(trained_tokens(s) for s in sequences), 1))
         kl = config.kl_penalty_coef > 0.0
-        loss_sum = ratio_sum = clip_sum = kl_sum = 0.0
+        loss_sum = ratio_sum = clip_sum = kl_sum = is_ratio_sum = is_truncated_sum = 0.0
         for micro in chunks(sequences, self.optim.micro_batch_size):
             batch = {k: v.to(self.device) for k, v in pad_batch(micro, self.pad_id).items()}
             logprobs = next_token_logprobs(model, batch, temperature)  # [B,T-1]
@@ -509,19 +531,27 @@ class Policy:
             if kl:  # the base model: the same weights with the adapter switched off
                 with torch.no_grad(), model.disable_adapter():
                     ref_logprobs = next_token_logprobs(model, batch, temperature)  # [B,T-1]
+            old, sampler = batch["old_logprobs"], None  # [B,T-1] NaN where unknown
+            if is_cap is not None:
+                old, sampler = off_policy_inputs(logprobs, batch["old_logprobs"])  # [B,T-1] x2
             out = loss_fn(
                 LossInputs(
                     logprobs=logprobs,  # [B,T-1]
-                    old_logprobs=batch["old_logprobs"],  # [B,T-1] NaN where unknown
+                    old_logprobs=old,  # [B,T-1]
                     advantages=batch["advantages"],  # [B]
                     mask=batch["assistant_mask"],  # [B,T-1]
                     ref_logprobs=ref_logprobs,
+                    sampler_logprobs=sampler,
                     num_sequences=num_sequences,
                     num_tokens=num_tokens,
                 )
             )
             out.loss.backward()
             tokens = float(batch["assistant_mask"].sum())  # this micro-batch's share of the means
+            if is_cap is not None:
+                is_mean, truncated = importance_stats(old, sampler, batch["assistant_mask"], is_cap)
+                is_ratio_sum += is_mean * tokens
+                is_truncated_sum += truncated * tokens
             loss_sum += float(out.loss.detach())
             ratio_sum += float(out.ratio_mean) * tokens
             clip_sum += float(out.clip_fraction) * tokens
@@ -546,6 +576,8 @@ class Policy:
         }
         if kl:
             result["kl_sum"] = kl_sum
+        if is_cap is not None:
+            result["is_ratio_sum"], result["is_truncated_sum"] = is_ratio_sum, is_truncated_sum
         return result
 
     def sft_step(
@@ -735,6 +767,9 @@ def _merge_updates(updates: list[dict[str, float]]) -> dict[str, float]:
     }
     if "kl_sum" in updates[0]:
         merged["kl_mean"] = sum(u["kl_sum"] for u in updates) / tokens
+    if "is_ratio_sum" in updates[0]:
+        merged["offpolicy/is_ratio_mean"] = sum(u["is_ratio_sum"] for u in updates) / tokens
+        merged["offpolicy/is_truncated_fraction"] = sum(u["is_truncated_sum"] for u in updates) / tokens
     return merged
 
 

@@ -37,10 +37,12 @@ from artery.schemas import (
     TrainCompleted,
     TrainFailed,
     TrainRequest,
+    TrainRequested,
     TrainSFTRequested,
 )
 from artery.services.trainer import checkpoints
 from artery.services.trainer.settings import TrainerSettings
+from artery.services.trainer.staleness import drop_stale
 from artery.services.trainer.store import completed_step, load_groups, record_step, stored_group_ids
 from artery.shared import subjects
 from artery.shared.bus import CONTENT_TYPE, derived_id, publish_event
@@ -52,11 +54,14 @@ from artery.shared.errors import DependencyUnavailable, InvalidMessage
 from artery.shared.logs import get_logger
 from artery.shared.registry import read_record
 from artery.shared.tracing import continue_trace, extract_links, tracer
+from artery.shared.wakeup import woken_by
 
 log = get_logger(__name__)
 SERVICE = "trainer"
 TRAINER_CONSUMER = "trainer"
 _IDS = uuid.UUID("5b2d8f0e-6a1c-4f4e-9d55-747261696e21")
+#: A request waiting for its groups reads PostgreSQL again at least this often (see woken_by).
+GROUP_RECHECK_S = 2.0
 _decoder = EventDecoder(TrainRequest)
 
 
@@ -222,20 +227,30 @@ class Trainer(ConsumingService):
         return record
 
     async def _wait_for_groups(self, request: TrainRequest) -> list:
-        """Groups are published just before the request; the collector may still be writing them."""
+        """Groups are published just before the request; the collector may still be writing them
+        (and the reward service judging them). Woken by their ``group.ready``/``group.scored``."""
         deadline = time.monotonic() + self.settings.group_wait_s
         wanted = set(request.group_ids)
-        while True:
-            async with self.db.connection() as conn:
-                ready = await stored_group_ids(conn, request.project, request.model, request.group_ids)
-                missing = wanted - ready
-                if not missing:
-                    return await load_groups(conn, request.project, request.model, request.group_ids)
-            if time.monotonic() > deadline:
-                raise GroupsNotStored(
-                    f"{len(missing)} of {len(wanted)} groups were never stored: {sorted(missing)[:5]}"
-                )
-            await asyncio.sleep(0.1)  # (keep_alive tells JetStream we are still at it)
+        signals = (
+            subjects.group_ready(request.project, request.model),
+            subjects.group_scored(request.project, request.model),
+        )
+        async with woken_by(self.nc, *signals) as wake:
+            while True:
+                wake.clear()  # before reading: a group stored during the read wakes the next wait
+                async with self.db.connection() as conn:
+                    ready = await stored_group_ids(conn, request.project, request.model, request.group_ids)
+                    missing = wanted - ready
+                    if not missing:
+                        return await load_groups(conn, request.project, request.model, request.group_ids)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise GroupsNotStored(
+                        f"{len(missing)} of {len(wanted)} groups were never stored: {sorted(missing)[:5]}"
+                    )
+                # (keep_alive tells JetStream we are still at it.) The timeout only covers a signal
+                # missed while reconnecting.
+                await wake.wait(min(remaining, GROUP_RECHECK_S))
 
     async def _train(self, request: TrainRequest, record: ModelRecord, groups: list) -> TrainCompleted:
         started = time.monotonic()
@@ -244,30 +259,9 @@ class Trainer(ConsumingService):
         if already is not None:  # crashed after saving, before recording: publish what was saved
             new_step, metrics = already
         else:
-            async with paused(
-                self.nc,
-                request.project,
-                request.model,
-                self.settings.pause_lease_s,
-                requested_by=self.trainer_id,
-                timeout_s=self.settings.pause_timeout_s,
-            ) as lease:
+            async with self._hold_inference(request) as lease:
                 pause_s = time.monotonic() - started
-                if isinstance(request, TrainSFTRequested):
-                    result = await asyncio.to_thread(
-                        policy.sft_step,
-                        [t for group in groups for t in group],
-                        request.config,
-                        max_seq_len=self.settings.max_seq_len,
-                    )
-                else:
-                    result = await asyncio.to_thread(
-                        policy.train_step,
-                        groups,
-                        request.config,
-                        max_seq_len=self.settings.max_seq_len,
-                        temperature=self.settings.temperature,
-                    )
+                result, extra = await self._step(policy, step, request, groups)
                 new_step = step + 1
                 save_started = time.monotonic()
                 await asyncio.to_thread(
@@ -275,10 +269,11 @@ class Trainer(ConsumingService):
                 )
                 metrics = {
                     **result.metrics,
+                    **extra,
                     "trained": float(result.trained),
                     "pause_s": pause_s,
                     "save_s": time.monotonic() - save_started,
-                    "replicas_paused": float(len(lease.outcome.acked)),
+                    "replicas_paused": float(len(lease.outcome.acked)) if lease is not None else 0.0,
                 }
             self.policies.advance(record, new_step)
         await self._publish_checkpoint(request, record, new_step, metrics)
@@ -309,6 +304,49 @@ class Trainer(ConsumingService):
             reward_mean=metrics.get("reward_mean"),
         )
         return await self._complete(request, new_step, metrics)
+
+    def _hold_inference(self, request: TrainRequest):
+        """A synchronous step pauses every replica while it trains (an async context yielding the
+        lease); an asynchronous one (off-policy samples allowed) trains while inference keeps
+        serving the previous step, and the adapter swap afterwards is the only pause (None)."""
+        if is_off_policy(request):
+            return contextlib.nullcontext(None)
+        return paused(
+            self.nc,
+            request.project,
+            request.model,
+            self.settings.pause_lease_s,
+            requested_by=self.trainer_id,
+            timeout_s=self.settings.pause_timeout_s,
+        )
+
+    async def _step(self, policy, step: int, request: TrainRequest, groups: list) -> tuple:
+        """The optimizer work of one request, in a thread; returns its result and extra metrics."""
+        if isinstance(request, TrainSFTRequested):
+            trajectories = [t for group in groups for t in group]
+            result = await asyncio.to_thread(
+                policy.sft_step, trajectories, request.config, max_seq_len=self.settings.max_seq_len
+            )
+            return result, {}
+        extra: dict[str, float] = {}
+        off_policy = is_off_policy(request)
+        if off_policy:  # samples older than the request allows are dropped, and counted
+            groups, report = drop_stale(
+                groups,
+                model=request.model,
+                current_step=step,
+                max_steps_off_policy=request.max_steps_off_policy,
+            )
+            extra = report.metrics()
+        result = await asyncio.to_thread(
+            policy.train_step,
+            groups,
+            request.config,
+            max_seq_len=self.settings.max_seq_len,
+            temperature=self.settings.temperature,
+            off_policy=off_policy,
+        )
+        return result, extra
 
     async def _publish_checkpoint(
         self, request: TrainRequest, record: ModelRecord, step: int, metrics
@@ -376,6 +414,11 @@ class Trainer(ConsumingService):
         )
         await publish_event(self.js, subjects.train("failed", request.project, request.model), event)
         return event
+
+
+def is_off_policy(request: TrainRequest) -> bool:
+    """Asynchronous mode: the GRPO request names how stale its samples may be."""
+    return isinstance(request, TrainRequested) and request.max_steps_off_policy is not None
 
 
 def model_dir(settings: TrainerSettings, project: str, model: str) -> Path:
