@@ -203,6 +203,14 @@ def _key(item: Any) -> Any:
     data.pop("trainable", None)
     if data.get("role") == "assistant" and data.get("content") is None:
         data["content"] = ""
+    for call in data.get("tool_calls") or []:
+        # Clients re-serialise arguments (LangChain does): the same JSON with other spacing or
+        # key order is the same call, or the turn's recorded sample would be lost.
+        function = call.get("function") or {}
+        try:
+            function["arguments"] = json.loads(function.get("arguments") or "null")
+        except (TypeError, ValueError):
+            pass
     return data
 
 

@@ -69,6 +69,12 @@ def setup_tracing(service: str, endpoint: str | None = None, exporter: SpanExpor
             exporter = OTLPSpanExporter(endpoint=url)
     if exporter is not None:
         _provider.add_span_processor(BatchSpanProcessor(exporter))
+    # Langfuse (LANGFUSE_PUBLIC_KEY/_SECRET_KEY/_HOST): one more exporter of the same spans.
+    from artery.integrations import langfuse
+
+    langfuse_exporter = langfuse.exporter(_endpoints)
+    if langfuse_exporter is not None:
+        _provider.add_span_processor(BatchSpanProcessor(langfuse_exporter))
     return _provider
 
 

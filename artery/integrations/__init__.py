@@ -1,0 +1,29 @@
+"""Experiment tracking and observability integrations, each behind an optional extra.
+
+- ``artery.integrations.wandb``: ``Model(report_metrics=["wandb"])`` (or ``WANDB_API_KEY`` set)
+  sends what ``model.log`` and ``model.train`` write to ``history.jsonl`` to Weights & Biases
+  (the ``wandb`` extra).
+- ``artery.integrations.langfuse``: ``LANGFUSE_HOST`` / ``LANGFUSE_PUBLIC_KEY`` /
+  ``LANGFUSE_SECRET_KEY`` add Langfuse's OpenTelemetry endpoint to the process's span exporters
+  (no extra: the OTLP exporter is part of the core install).
+
+Nothing here is imported until a model or the tracing set-up asks for it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from artery.model import Model
+    from artery.trajectories import TrajectoryGroup
+
+
+async def report(
+    model: Model, row: dict[str, Any], groups: list[TrajectoryGroup] | None = None, split: str | None = None
+) -> None:
+    """Send one ``history.jsonl`` row (and the groups it summarises) to the model's trackers."""
+    from artery.integrations import wandb as wandb_integration
+
+    if wandb_integration.wanted(model):
+        await wandb_integration.log(model, row, groups, split)
