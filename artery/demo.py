@@ -45,6 +45,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 import artery as art
+from artery.pipeline_trainer import PipelineTrainer, PolicyCollapsed
 from artery.shared.models import SMOLLM2, TINY
 from artery.testing.agents import half_alphabet_rollout, lowercase_rollout
 from artery.testing.tasks import SUBJECTS_HELD_OUT, SUBJECTS_TRAIN
@@ -222,9 +223,11 @@ async def run(args: argparse.Namespace) -> dict:
 
     try:
         held_out.append(await evaluate(model, task, args, 0))
-        steps_bar = tqdm(total=args.steps, desc="training steps", unit="step", dynamic_ncols=True)
+        if args.async_mode:
+            curve = await train_async(model, backend, task, args, next_items)
+        steps_bar = tqdm(total=0 if args.async_mode else args.steps, desc="training steps", unit="step")
         try:
-            for _ in range(args.steps):
+            for _ in range(0 if args.async_mode else args.steps):
                 step = await model.get_step()
                 groups = await art.gather_trajectory_groups(
                     (
@@ -263,6 +266,14 @@ async def run(args: argparse.Namespace) -> dict:
         "base_model": base_model,
         "task": task_name,
         "steps": len(curve),
+        # sync: sample, pause inference, train, serve, sample again; async: PipelineTrainer, rollouts
+        # go on while the trainer trains, one step off policy at most.
+        "mode": "async" if args.async_mode else "sync",
+        "staleness_mean": (
+            statistics.fmean(p["staleness_mean"] for p in curve if "staleness_mean" in p)
+            if any("staleness_mean" in p for p in curve)
+            else None
+        ),
         "settings": {
             "groups": args.groups,
             "group_size": args.group_size,
@@ -301,6 +312,60 @@ async def run(args: argparse.Namespace) -> dict:
     return summary
 
 
+async def train_async(
+    model: art.TrainableModel,
+    backend: art.Backend,
+    task: Task,
+    args: argparse.Namespace,
+    next_items: Callable[[int], list[str]],
+) -> list[dict]:
+    """``--async``: the same steps through ART's ``PipelineTrainer``; the curve is read back from
+    what it logged (``history.jsonl``: each step's batch reward, loss and staleness)."""
+
+    async def group(model: art.TrainableModel, item: str, _config: None) -> art.TrajectoryGroup:
+        return await art.TrajectoryGroup(
+            task.rollout(model, item, args.max_tokens, 1.0, None, None) for _ in range(args.group_size)
+        )
+
+    def scenarios():
+        while True:
+            yield next_items(1)[0]
+
+    first = await model.get_step()
+    trainer = PipelineTrainer(
+        model,
+        backend,
+        group,
+        scenarios(),
+        None,
+        num_rollout_workers=2 * args.groups,  # the next step's groups are sampled during this one
+        min_batch_size=args.groups,
+        max_batch_size=args.groups,
+        max_steps_off_policy=1,
+        learning_rate=args.learning_rate,
+        max_steps=args.steps,
+        log_interval_seconds=1.0,
+        # Ten groups in a row with all-equal rewards: solved (or collapsed), either way done.
+        discard_queue_multiplier=max(1, 10 // args.groups),
+        resume=False,
+    )
+    try:
+        await trainer.train()
+    except PolicyCollapsed as exc:
+        print(f"stopped early: {exc}")
+    rows = [json.loads(line) for line in (model.directory / "history.jsonl").read_text().splitlines()]
+    return [
+        {
+            "step": row["step"] - 1,
+            "reward_mean": row["train/reward"],
+            "loss": row.get("train/loss"),
+            "staleness_mean": row.get("offpolicy/staleness_mean", 0.0),
+        }
+        for row in rows
+        if "train/reward" in row and row["step"] > first
+    ]
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n")[0],
@@ -323,6 +388,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--learning-rate", type=float)
     parser.add_argument("--device", default="cpu", help="torch device of trainer and engine: cpu, cuda")
     parser.add_argument("--engine", default="transformers", choices=["transformers", "vllm"])
+    parser.add_argument(
+        "--async",
+        dest="async_mode",
+        action="store_true",
+        help="asynchronous off-policy training (PipelineTrainer): rollouts go on while the trainer trains",
+    )
     args = parser.parse_args(argv)
     for key, value in PRESETS[args.model].items():
         if getattr(args, key) is None:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
 
-from artery import dev
+from artery import dev, integrations
 from artery.dev import InternalModelConfig, LoRAConfig, lora_fields, model_config_fields
 from artery.schemas.base import NAME_PATTERN
 from artery.shared.tracing import inject, tracer
@@ -183,7 +183,9 @@ class Model:
         row = {k if "/" in k else f"{split}/{k}": v for k, v in row.items()}
         row = {k: v for k, v in row.items() if not (isinstance(v, float) and math.isnan(v))}
         step = await self.get_step() if step is None else step
-        _append_history(self.directory / "history.jsonl", {"step": step, "recorded_at": time.time(), **row})
+        history_row = {"step": step, "recorded_at": time.time(), **row}
+        _append_history(self.directory / "history.jsonl", history_row)
+        await integrations.report(self, history_row, groups, split)  # W&B, when asked
         if groups:
             # ART's layout beside history.jsonl; after it, so the metrics are kept even without pyarrow.
             from artery.parquet import write_trajectory_groups_parquet
@@ -241,10 +243,13 @@ class TrainableModel(Model):
         groups = list(trajectory_groups)
         result = await self.backend.train(self, groups, config=config, **{**(_config or {}), **kwargs})
         row = {f"train/{k}": v for k, v in summarize(groups).items()}
-        row.update({f"train/{k}": v for k, v in result.metrics.items() if k not in ("reward",)})
-        _append_history(
-            self.directory / "history.jsonl", {"step": result.step, "recorded_at": time.time(), **row}
+        # A metric that names its section (``offpolicy/...``) keeps it, as in ``log``.
+        row.update(
+            {k if "/" in k else f"train/{k}": v for k, v in result.metrics.items() if k not in ("reward",)}
         )
+        history_row = {"step": result.step, "recorded_at": time.time(), **row}
+        _append_history(self.directory / "history.jsonl", history_row)
+        await integrations.report(self, history_row, groups, "train")  # W&B, when asked
         if verbose:
             print(
                 f"step {result.step}: " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(result.metrics.items()))
@@ -269,9 +274,9 @@ class TrainableModel(Model):
             raise ValueError(f"train_sft(_config=...): no setting of {sorted(_config)} is supported")
         result = await self.backend.train_sft(self, list(trajectories), config)
         row = {f"train/{k}": v for k, v in result.metrics.items()}
-        _append_history(
-            self.directory / "history.jsonl", {"step": result.step, "recorded_at": time.time(), **row}
-        )
+        history_row = {"step": result.step, "recorded_at": time.time(), **row}
+        _append_history(self.directory / "history.jsonl", history_row)
+        await integrations.report(self, history_row)  # W&B, when asked
         if verbose:
             print(
                 f"sft step {result.step}: "

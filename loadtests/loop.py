@@ -21,12 +21,16 @@ returns once the replica serves the new step. The time is split into:
 - trainer other: the rest of ``step_total_s`` (the adapter packed and ``checkpoint.saved``
   published, the step recorded in PostgreSQL, the registry advanced);
 - until served: ``train.completed`` received until ``model.train()`` returns: the publisher's
-  Object Store upload and ``checkpoint.published``, the replica's fetch and load, its heartbeat,
-  and the SDK's 50 ms poll of the registry.
+  Object Store upload and ``checkpoint.published``, the replica's fetch and load, and its registry
+  entry, which wakes the SDK.
 
 "Rest" is what the brief of this benchmark asks for: ``model.train()`` less the three parts the
 trainer reports (pause, training, save). ``--warmup`` iterations run first and are not counted
 (the trainer loads the policy, the replica warms up).
+
+Then the same amount of work runs asynchronously, through ART's ``PipelineTrainer`` (rollouts go on
+while the trainer trains, at most one step off policy), and ``modes`` compares the two: rollouts
+and steps per second, and the share of wall time in which neither generation nor training computed.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
+import itertools
 import signal
 import statistics
 import sys
@@ -45,6 +50,7 @@ from pathlib import Path
 import nats
 
 import artery as art
+from artery.pipeline_trainer import PipelineTrainer, make_group_rollout_fn
 from artery.shared import subjects
 from artery.shared.models import TINY
 from artery.testing.tasks import half_alphabet_reward, half_alphabet_task_prompt
@@ -83,14 +89,101 @@ class Config:
 
 
 class TimedBackend(art.LocalBackend):
-    """A ``LocalBackend`` that notes when the groups of a ``train()`` call were published."""
+    """A ``LocalBackend`` that notes when the groups of a ``train()`` call were published, and
+    when each step's optimizer work ran (from the trainer's own figures and its completion)."""
 
     published_at = 0.0
+    clock: CompletionClock
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.training_intervals: list[tuple[float, float]] = []
+        self.completions: list[float] = []
 
     async def publish(self, model, groups, *, split: str = "train") -> list[str]:
         ids = await super().publish(model, groups, split=split)
         self.published_at = time.perf_counter()
         return ids
+
+    async def train(self, model, groups, **kwargs):
+        arrivals = len(self.clock.arrivals)
+        result = await super().train(model, groups, **kwargs)
+        # The clock's subscription may deliver a moment after the SDK's own: wait for it.
+        for _ in range(200):
+            if len(self.clock.arrivals) > arrivals:
+                break
+            await asyncio.sleep(0.005)
+        completed_at = (
+            self.clock.arrivals[arrivals] if len(self.clock.arrivals) > arrivals else time.perf_counter()
+        )
+        m = result.metrics
+        begun = completed_at - m["step_total_s"] + m["pause_s"]
+        self.training_intervals.append((begun, begun + m["step_time_s"]))
+        self.completions.append(completed_at)
+        return result
+
+
+def covered(intervals: list[tuple[float, float]], start: float, end: float) -> float:
+    """Seconds of ``[start, end]`` inside at least one of ``intervals`` (their union)."""
+    total, reach = 0.0, start
+    for low, high in sorted(intervals):
+        low, high = max(low, reach), min(high, end)
+        if high > low:
+            total += high - low
+            reach = high
+    return total
+
+
+async def async_mode(model: art.TrainableModel, backend: TimedBackend, config: Config) -> dict[str, float]:
+    """The same work as the synchronous iterations through ART's ``PipelineTrainer``: rollouts go on
+    while the trainer trains (one step off policy at most), inference is never paused."""
+    rollouts: list[tuple[float, float]] = []
+
+    async def timed(model: art.TrainableModel, scenario: int, _config: None) -> art.Trajectory:
+        begun = time.perf_counter()
+        trajectory = await rollout(model)
+        rollouts.append((begun, time.perf_counter()))
+        return trajectory
+
+    trainer = PipelineTrainer(
+        model,
+        backend,
+        make_group_rollout_fn(timed, n=config.group_size),
+        itertools.count(),
+        None,
+        num_rollout_workers=2 * config.groups,  # the next step's groups are sampled during this one
+        min_batch_size=config.groups,
+        max_batch_size=config.groups,
+        max_steps_off_policy=1,
+        learning_rate=config.learning_rate,
+        max_steps=config.iterations,
+        log_interval_seconds=3600,
+        resume=False,
+    )
+    first_training = len(backend.training_intervals)
+    started = time.perf_counter()
+    await trainer.train()
+    wall = time.perf_counter() - started
+    done = [r for r in rollouts if r[1] <= started + wall]
+    busy = covered(done + backend.training_intervals[first_training:], started, started + wall)
+    return {
+        "wall_s": wall,
+        "rollouts_per_s": len(done) / wall,
+        "steps_per_s": config.iterations / wall,
+        "waiting_share": 1 - busy / wall,
+    }
+
+
+def sync_mode(measured: list[dict[str, float]], config: Config) -> dict[str, float]:
+    """The synchronous iterations' figures; generation and training never overlap there."""
+    wall = sum(it["total"] for it in measured)
+    busy = sum(it["generation"] + it["training"] for it in measured)
+    return {
+        "wall_s": wall,
+        "rollouts_per_s": len(measured) * config.groups * config.group_size / wall,
+        "steps_per_s": len(measured) / wall,
+        "waiting_share": 1 - busy / wall,
+    }
 
 
 class CompletionClock:
@@ -141,17 +234,11 @@ async def iteration(
     started = time.perf_counter()
     groups = await generate(model, config)
     generated = time.perf_counter()
-    arrivals = len(clock.arrivals)
     result = await model.train(
         groups, config=art.TrainConfig(learning_rate=config.learning_rate, loss_fn="cispo")
     )
     finished = time.perf_counter()
-    # The clock's subscription may deliver a moment after the SDK's own: wait for it.
-    for _ in range(200):
-        if len(clock.arrivals) > arrivals:
-            break
-        await asyncio.sleep(0.005)
-    completed_at = clock.arrivals[arrivals] if len(clock.arrivals) > arrivals else finished
+    completed_at = backend.completions[-1]
     m = result.metrics
     step_total = m["step_total_s"]
     parts = {
@@ -190,9 +277,11 @@ async def run(config: Config, home: Path) -> dict:
         await model.register(backend)  # starts the stack and the model's replica
         startup_s = time.perf_counter() - started
         await clock.start(backend.stack.nats_url)
+        backend.clock = clock
         for _ in range(config.warmup):
             await iteration(model, backend, clock, config)
         measured = [await iteration(model, backend, clock, config) for _ in range(config.iterations)]
+        modes = {"sync": sync_mode(measured, config), "async": await async_mode(model, backend, config)}
     except BaseException:
         for name, process in backend.stack.processes.items():
             tail = "\n".join(process.log_path.read_text(errors="replace").splitlines()[-10:])
@@ -224,6 +313,13 @@ async def run(config: Config, home: Path) -> dict:
         "startup_s": round(startup_s, 3),
         "mean_s": {k: round(v, 4) for k, v in means.items()},
         "share": {k: round(means[k] / means["total"], 4) for k in (*PARTS, "rest")},
+        # The same work, synchronous (pause, train, serve, then sample again) and asynchronous
+        # (PipelineTrainer, one step off policy): rollouts/s, steps/s, and the share of wall time
+        # in which neither generation nor training computed.
+        "modes": {mode: {k: round(v, 4) for k, v in figures.items()} for mode, figures in modes.items()},
+        "async_vs_sync_rollouts_per_s": round(
+            modes["async"]["rollouts_per_s"] / modes["sync"]["rollouts_per_s"], 3
+        ),
         "iterations": [{k: round(v, 4) for k, v in it.items()} for it in measured],
     }
 
@@ -288,6 +384,24 @@ def render(result: dict) -> str:
             *table(rows, right={1, 2, 3, 4, 5}),
             "",
             f"mean reward per iteration: {rewards}",
+            "",
+            *table(
+                [
+                    ("mode", "rollouts/s", "steps/s", "waiting share", "wall s"),
+                    *(
+                        (
+                            mode,
+                            f"{m['rollouts_per_s']:.2f}",
+                            f"{m['steps_per_s']:.3f}",
+                            f"{m['waiting_share']:.1%}",
+                            f"{m['wall_s']:.1f}",
+                        )
+                        for mode, m in result["modes"].items()
+                    ),
+                ],
+                right={1, 2, 3, 4},
+            ),
+            f"async / sync rollouts per second: {result['async_vs_sync_rollouts_per_s']:.2f}x",
         ]
     )
 

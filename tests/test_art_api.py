@@ -13,7 +13,7 @@ from artery.local import LocalBackend
 from artery.shared.models import TINY
 
 #: ART 0.5.18's names that ART users reach (``../shared/ART.md`` §1), as attribute paths from
-#: ``art``. ``mcp`` and ``langgraph`` (MCP•RL and LangGraph) are the integrations' own issue.
+#: ``art``; ``mcp`` and ``langgraph`` are imported as modules (optional extras, as in ART).
 ART_NAMES = [
     "Backend",
     "LocalBackend",
@@ -59,6 +59,16 @@ ART_NAMES = [
     "TrainableModel.delete_checkpoints",
     "Backend.train",
     "Backend.close",
+    "mcp.MCPTool",
+    "mcp.MCPResource",
+    "mcp.GeneratedScenario",
+    "mcp.GeneratedScenarioCollection",
+    "mcp.complete_task_tool",
+    "mcp.generate_scenarios",
+    "langgraph.wrap_rollout",
+    "langgraph.init_chat_model",
+    "pipeline_trainer.PipelineTrainer",
+    "pipeline_trainer.make_group_rollout_fn",
 ]
 
 
@@ -67,7 +77,7 @@ def test_art_name_exists(path):
     import importlib
 
     head, *rest = path.split(".")
-    obj = getattr(art, head)
+    obj = getattr(art, head, None) or importlib.import_module(f"artery.{head}")
     for part in rest:
         obj = getattr(obj, part, None) or importlib.import_module(f"{obj.__name__}.{part}")
     assert obj is not None

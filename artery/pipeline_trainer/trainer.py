@@ -1,0 +1,300 @@
+"""``PipelineTrainer``: ART's asynchronous loop — rollouts never wait for training to finish.
+
+Rollout workers take scenarios and produce groups into a queue while the training stage takes
+batches from it and trains. A worker starts a rollout only while the policy it would sample from
+is at most ``max_steps_off_policy`` steps behind the step being trained; groups that fell further
+behind while they waited in the queue are discarded and counted. Each training call is an
+asynchronous step on the services: inference keeps serving while the trainer computes the next
+step (``Backend.train(max_steps_off_policy=...)``), which also drops stale trajectories and corrects
+the rest by truncated importance sampling. Groups whose rewards are all equal teach nothing: they
+go to a discard queue, and when it holds ``discard_queue_multiplier * min_batch_size`` of them in a
+row the policy is taken to have collapsed and the run stops with an error.
+
+Resumable: the scenario offset and the step are kept in the model directory
+(``pipeline_state.json``), so ``train()`` after a restart skips the scenarios already used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+from tqdm.auto import tqdm
+
+from artery.model import TrainableModel
+from artery.trajectories import Trajectory, TrajectoryGroup
+
+if TYPE_CHECKING:
+    from artery.backend import Backend
+
+ScenarioT = TypeVar("ScenarioT")
+ConfigT = TypeVar("ConfigT")
+RolloutFn = Callable[[TrainableModel, ScenarioT, ConfigT], Awaitable[TrajectoryGroup]]
+SingleRolloutFn = Callable[[TrainableModel, ScenarioT, ConfigT], Awaitable[Trajectory]]
+EvalFn = Callable[[TrainableModel, int, ConfigT], Awaitable[list[TrajectoryGroup] | None]]
+STATE_FILE = "pipeline_state.json"
+
+
+class PolicyCollapsed(RuntimeError):
+    """Too many groups in a row had all-equal rewards: nothing is left to learn from."""
+
+
+def make_group_rollout_fn(single_rollout_fn: SingleRolloutFn, n: int = 4) -> RolloutFn:
+    """A group rollout of ``n`` single rollouts of the same scenario, run concurrently."""
+
+    async def group_rollout(model: TrainableModel, scenario: Any, config: Any) -> TrajectoryGroup:
+        return await TrajectoryGroup(single_rollout_fn(model, scenario, config) for _ in range(n))
+
+    return group_rollout
+
+
+async def _as_async(items: Iterable[Any] | AsyncIterator[Any]) -> AsyncIterator[Any]:
+    if isinstance(items, AsyncIterator):
+        async for item in items:
+            yield item
+    else:
+        for item in items:
+            yield item
+
+
+class PipelineTrainer(Generic[ScenarioT, ConfigT]):
+    """ART's ``PipelineTrainer`` on Artery's services (``from artery.pipeline_trainer import ...``)."""
+
+    def __init__(
+        self,
+        model: TrainableModel,
+        backend: Backend,
+        rollout_fn: RolloutFn,
+        scenarios: AsyncIterator[ScenarioT] | Iterable[ScenarioT],
+        config: ConfigT,
+        eval_fn: EvalFn | None = None,
+        *,
+        num_rollout_workers: int = 16,
+        min_batch_size: int = 4,
+        max_batch_size: int | None = None,
+        max_steps_off_policy: int = 4,
+        queue_maxsize: int | None = None,
+        learning_rate: float = 1e-5,
+        loss_fn: str = "cispo",
+        loss_fn_config: dict | None = None,
+        normalize_advantages: bool = True,
+        adam_params: object | None = None,
+        max_steps: int | None = None,
+        discard_queue_multiplier: int = 100,
+        log_interval_seconds: float = 60.0,
+        total_scenarios: int | None = None,
+        eval_every_n_steps: int = 20,
+        eval_step_0: bool = True,
+        save_checkpoint: bool = True,
+        resume: bool = True,
+    ) -> None:
+        if num_rollout_workers <= 0 or min_batch_size <= 0:
+            raise ValueError("num_rollout_workers and min_batch_size must be > 0")
+        if max_batch_size is not None and max_batch_size < min_batch_size:
+            raise ValueError("max_batch_size must be >= min_batch_size")
+        if max_steps_off_policy < 0 or eval_every_n_steps < 0 or discard_queue_multiplier <= 0:
+            raise ValueError("max_steps_off_policy, eval_every_n_steps >= 0 and discard multiplier > 0")
+        # ART's knobs for its own trainer; Artery's trainer has no such setting: say so, never ignore.
+        for name, value in (("loss_fn_config", loss_fn_config), ("adam_params", adam_params)):
+            if value is not None:
+                raise ValueError(f"PipelineTrainer({name}=...) is not supported by Artery's trainer")
+        if not save_checkpoint:
+            raise ValueError("PipelineTrainer(save_checkpoint=False): every Artery step is a checkpoint")
+        self.model, self.backend, self.rollout_fn = model, backend, rollout_fn
+        self.scenarios, self.config, self.eval_fn = scenarios, config, eval_fn
+        self.num_rollout_workers = num_rollout_workers
+        self.min_batch_size = min_batch_size
+        self.max_batch_size = max_batch_size or 10 * min_batch_size
+        self.max_steps_off_policy = max_steps_off_policy
+        self.queue_maxsize = queue_maxsize or max(1, (max_steps_off_policy + 1) * self.max_batch_size)
+        self.train_kwargs = {"learning_rate": learning_rate, "loss_fn": loss_fn}
+        if not normalize_advantages:
+            self.train_kwargs["normalize_advantages"] = False
+        self.max_steps = max_steps
+        self.discard_limit = discard_queue_multiplier * min_batch_size
+        self.log_interval_seconds = log_interval_seconds
+        self.total_scenarios = total_scenarios
+        self.eval_every_n_steps, self.eval_step_0 = eval_every_n_steps, eval_step_0
+        self.resume = resume
+        # Run state (``train()`` sets it up).
+        self.policy_version = 0
+        self.next_training_step = 0
+        self.scenario_offset = 0
+        self.discarded_stale = 0
+        self.discarded_equal = 0
+        self._done = False
+        self._policy_updated: asyncio.Condition | None = None
+        self._queue: asyncio.Queue[TrajectoryGroup | None] | None = None
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def _state_path(self):
+        return self.model.directory / STATE_FILE
+
+    def _read_state(self) -> dict[str, Any]:
+        path = self._state_path
+        return json.loads(path.read_text()) if self.resume and path.exists() else {}
+
+    def _write_state(self, step: int) -> None:
+        path = self._state_path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        state = {"training_step": step, "scenario_offset": self.scenario_offset}
+        temporary = path.with_suffix(".tmp")
+        temporary.write_text(json.dumps(state))
+        temporary.replace(path)
+
+    # ------------------------------------------------------------------ the run
+
+    async def train(self) -> None:
+        """Run rollouts and training until the scenarios (or ``max_steps``) run out."""
+        start = await self.model.get_step()
+        state = self._read_state()
+        self.policy_version = self.next_training_step = start
+        self._policy_updated = asyncio.Condition()
+        self._queue = asyncio.Queue(maxsize=self.queue_maxsize)
+        scenarios = _as_async(self.scenarios)
+        skip = int(state.get("scenario_offset", 0))
+        for _ in range(skip):  # resumed: the scenarios already used are not rolled out again
+            if await anext(scenarios, None) is None:
+                break
+        self.scenario_offset = skip
+        self._scenarios = scenarios
+        self._scenario_lock = asyncio.Lock()
+        self._pbar = tqdm(total=self.total_scenarios, initial=skip, desc="pipeline", unit="group")
+        try:
+            if self.eval_fn is not None and self.eval_step_0 and start == 0:
+                await self._evaluate(0)
+            try:
+                async with asyncio.TaskGroup() as tasks:
+                    rollouts = tasks.create_task(self._rollout_stage())
+                    training = tasks.create_task(self._training_stage())
+                    await training
+                    rollouts.cancel()  # training has what it needs (max_steps) or the queue ended
+            except ExceptionGroup as group:  # a stage failed: its error, not a wrapper, is the news
+                raise group.exceptions[0] from None
+        finally:
+            self._pbar.close()
+
+    async def _next_scenario(self) -> tuple[bool, Any]:
+        async with self._scenario_lock:
+            scenario = await anext(self._scenarios, _END)
+            if scenario is _END:
+                return False, None
+            self.scenario_offset += 1
+            return True, scenario
+
+    async def _wait_for_policy(self) -> None:
+        """Hold a new rollout while the policy it would use is too far behind the step in training."""
+        async with self._policy_updated:
+            await self._policy_updated.wait_for(
+                lambda: (
+                    self._done or self.policy_version >= self.next_training_step - self.max_steps_off_policy
+                )
+            )
+
+    async def _rollout_worker(self) -> None:
+        while not self._done:
+            await self._wait_for_policy()
+            more, scenario = await self._next_scenario()
+            if not more or self._done:
+                return
+            version = self.policy_version
+            try:
+                group = await self.rollout_fn(self.model, scenario, self.config)
+            except Exception as exc:  # one failed scenario is not the end of the run (as ART)
+                tqdm.write(f"rollout failed: {exc!r}")
+                continue
+            for trajectory in group:
+                if trajectory.initial_policy_version is None:
+                    trajectory.initial_policy_version = version
+                trajectory.final_policy_version = self.policy_version
+            group.metadata.setdefault("policy_version", version)
+            await self._queue.put(group)
+
+    async def _rollout_stage(self) -> None:
+        async with asyncio.TaskGroup() as workers:
+            for _ in range(self.num_rollout_workers):
+                workers.create_task(self._rollout_worker())
+        await self._queue.put(None)  # the scenarios ran out: training takes what is left
+
+    async def _collect_batch(self, step: int) -> tuple[list[TrajectoryGroup], bool]:
+        """At least ``min_batch_size`` fresh, informative groups (fewer at the end), at most the max."""
+        batch: list[TrajectoryGroup] = []
+        ended = False
+        while len(batch) < self.max_batch_size:
+            if len(batch) >= self.min_batch_size and self._queue.empty():
+                break
+            group = await self._queue.get()
+            if group is None:
+                ended = True
+                break
+            self._pbar.update(1)
+            if step - int(group.metadata.get("policy_version", step)) > self.max_steps_off_policy:
+                self.discarded_stale += 1
+                continue
+            if len({t.reward for t in group}) < 2:
+                self.discarded_equal += 1
+                self._equal_in_a_row += 1
+                if self._equal_in_a_row >= self.discard_limit:
+                    raise PolicyCollapsed(
+                        f"{self._equal_in_a_row} groups in a row had all-equal rewards: the policy"
+                        " collapsed (nothing left to learn from)"
+                    )
+                continue
+            self._equal_in_a_row = 0
+            batch.append(group)
+        return batch, ended
+
+    async def _training_stage(self) -> None:
+        first = step = self.next_training_step
+        self._equal_in_a_row = 0
+        last_log = time.monotonic()
+        try:
+            while self.max_steps is None or step - first < self.max_steps:
+                batch, ended = await self._collect_batch(step)
+                if batch:
+                    async with self._policy_updated:
+                        self.next_training_step = step + 1
+                        self._policy_updated.notify_all()
+                    result = await self.backend.train(
+                        self.model,
+                        batch,
+                        max_steps_off_policy=self.max_steps_off_policy,
+                        **self.train_kwargs,
+                    )
+                    step = result.step
+                    metrics = {
+                        **result.metrics,
+                        "offpolicy/discarded_stale_groups": float(self.discarded_stale),
+                        "data/discarded_equal_reward_groups": float(self.discarded_equal),
+                        "data/step_num_groups": float(len(batch)),
+                    }
+                    await self.model.log(batch, split="train", step=step, metrics=metrics)
+                    self._write_state(step)
+                    async with self._policy_updated:
+                        self.policy_version = step
+                        self._policy_updated.notify_all()
+                    if time.monotonic() - last_log >= self.log_interval_seconds:
+                        tqdm.write(f"step {step}: reward {metrics.get('reward_mean', float('nan')):.3f}")
+                        last_log = time.monotonic()
+                    every = self.eval_every_n_steps
+                    if self.eval_fn is not None and every and step % every == 0:
+                        await self._evaluate(step)
+                if ended:
+                    return
+        finally:
+            async with self._policy_updated:
+                self._done = True
+                self._policy_updated.notify_all()
+
+    async def _evaluate(self, step: int) -> None:
+        groups = await self.eval_fn(self.model, step, self.config)
+        if groups:
+            await self.model.log(groups, split="val", step=step)
+
+
+_END = object()
