@@ -3,9 +3,9 @@
 - ``artery.integrations.wandb``: ``Model(report_metrics=["wandb"])`` (or ``WANDB_API_KEY`` set)
   sends what ``model.log`` and ``model.train`` write to ``history.jsonl`` to Weights & Biases
   (the ``wandb`` extra).
-- ``artery.integrations.langfuse``: ``LANGFUSE_HOST`` / ``LANGFUSE_PUBLIC_KEY`` /
-  ``LANGFUSE_SECRET_KEY`` add Langfuse's OpenTelemetry endpoint to the process's span exporters
-  (no extra: the OTLP exporter is part of the core install).
+- Langfuse lives in ``artery.shared.langfuse`` (every service's tracing set-up uses it too):
+  ``LANGFUSE_HOST`` / ``LANGFUSE_PUBLIC_KEY`` / ``LANGFUSE_SECRET_KEY`` add Langfuse's
+  OpenTelemetry endpoint to the process's span exporters (no extra: OTLP is in the core install).
 
 Nothing here is imported until a model or the tracing set-up asks for it.
 """
