@@ -14,7 +14,7 @@ import inspect
 import itertools
 from collections.abc import AsyncIterator, Awaitable, Iterable
 
-from artery.gather import GatherContext, TooManyExceptions, _current
+from artery.gather_context import GatherContext, TooManyExceptions, _current
 from artery.trajectories import TrajectoryGroup
 
 

@@ -16,6 +16,7 @@ import msgspec
 from opentelemetry import trace
 
 from artery import convert
+from artery.gather_context import current_gather
 from artery.schemas import History as WireHistory
 from artery.schemas import RewardSpec, Tool, TrajectoryException, TrajectoryGroupSubmitted, new_event_id
 from artery.schemas import Trajectory as WireTrajectory
@@ -192,8 +193,6 @@ class TrajectoryGroup:
 
 
 async def _gather_group(cls, items: list[Any], kwargs: dict[str, Any]) -> TrajectoryGroup:
-    from artery.gather import current_gather  # the gather context is optional
-
     context = current_gather()
     if context is not None:
         context.add_total(len(items))

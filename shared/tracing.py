@@ -70,7 +70,7 @@ def setup_tracing(service: str, endpoint: str | None = None, exporter: SpanExpor
     if exporter is not None:
         _provider.add_span_processor(BatchSpanProcessor(exporter))
     # Langfuse (LANGFUSE_PUBLIC_KEY/_SECRET_KEY/_HOST): one more exporter of the same spans.
-    from artery.integrations import langfuse
+    from artery.shared import langfuse
 
     langfuse_exporter = langfuse.exporter(_endpoints)
     if langfuse_exporter is not None:

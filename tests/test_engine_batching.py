@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from artery.services.inference.engine.base import EngineError, SamplingParams
 from artery.services.inference.engine.decode import DecodeContext, DecodeStats, Row, decode_batch
 from artery.services.inference.engine.transformers_engine import TransformersEngine
-from artery.testing.tiny_model import tiny_model_path
+from artery.shared.tiny_model import tiny_model_path
 from tests.test_engine_transformers import _prompt, _request, save_random_adapter
 
 #: The running request in these tests: greedy, it runs its whole budget (asserted where it matters).

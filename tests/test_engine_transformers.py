@@ -17,7 +17,7 @@ from artery.services.inference.engine.base import (
     UnknownAdapter,
 )
 from artery.services.inference.engine.transformers_engine import TransformersEngine
-from artery.testing.tiny_model import tiny_model_path
+from artery.shared.tiny_model import tiny_model_path
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ pytestmark = [
 @pytest.fixture
 async def engine(tmp_path):
     from artery.services.inference.engine.vllm_engine import VLLMEngine
-    from artery.testing.tiny_model import build_tiny_model
+    from artery.shared.tiny_model import build_tiny_model
 
     # vLLM's kernels want a head size of 64: hidden 128 with 2 heads.
     path = build_tiny_model(tmp_path / "tiny", hidden_size=128, num_heads=2, num_kv_heads=1)

@@ -31,8 +31,8 @@ from artery.schemas import Message, Sample, TrainConfig, Trajectory
 from artery.services.inference.engine.base import GenerationRequest, SamplingParams
 from artery.services.inference.engine.transformers_engine import TransformersEngine
 from artery.services.trainer.policy import LoraSettings, OptimSettings, Policy
+from artery.shared.tiny_model import tiny_model_path
 from artery.testing.tasks import half_alphabet_reward, half_alphabet_task_prompt
-from artery.testing.tiny_model import tiny_model_path
 
 CUDA = os.environ.get("ARTERY_TEST_CUDA") == "1" and torch.cuda.is_available()
 

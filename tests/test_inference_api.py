@@ -559,7 +559,7 @@ async def test_api_key(state, base_url):
 
 @pytest.mark.slow
 async def test_smoke_with_the_transformers_engine():
-    tiny = pytest.importorskip("artery.testing.tiny_model")
+    tiny = pytest.importorskip("artery.shared.tiny_model")
     engines = pytest.importorskip("artery.services.inference.engine.transformers_engine")
     engine = engines.TransformersEngine(tiny.tiny_model_path(), max_context=256)
     await engine.start()

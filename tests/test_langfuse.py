@@ -16,7 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from artery.integrations import langfuse
+from artery.shared import langfuse
 from artery.testing.otlp import OtlpReceiver, parse_export
 
 pytestmark = pytest.mark.timeout(120)

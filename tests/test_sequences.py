@@ -31,7 +31,7 @@ from artery.services.trainer.sequences import (
 def tok() -> Any:
     from transformers import AutoTokenizer
 
-    from artery.testing.tiny_model import tiny_model_path
+    from artery.shared.tiny_model import tiny_model_path
 
     return AutoTokenizer.from_pretrained(tiny_model_path())
 
@@ -393,7 +393,7 @@ def test_one_training_step_on_the_tiny_model(tok: Any) -> None:
     from transformers import AutoModelForCausalLM
 
     from artery.services.trainer.losses import LossConfig, LossInputs, select_loss
-    from artery.testing.tiny_model import tiny_model_path
+    from artery.shared.tiny_model import tiny_model_path
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path())

@@ -26,7 +26,7 @@ from artery.schemas import (
 from artery.services.trainer.policy import LoraSettings, OptimSettings, Policy, sft_loss
 from artery.services.trainer.sequences import pad_batch, sft_sequences
 from artery.shared.models import TINY
-from artery.testing.tiny_model import tiny_model_path
+from artery.shared.tiny_model import tiny_model_path
 
 MAX_SEQ_LEN = 256
 #: Three prompts, each with its one answer (words the tiny model's tokenizer knows).

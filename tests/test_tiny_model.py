@@ -10,8 +10,8 @@ import pytest
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from artery.testing import tiny_model
-from artery.testing.tiny_model import build_tiny_model, tiny_model_path
+from artery.shared import tiny_model
+from artery.shared.tiny_model import build_tiny_model, tiny_model_path
 
 TOOLS = [
     {

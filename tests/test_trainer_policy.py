@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from artery.schemas import Message, Sample, TrainConfig, Trajectory
 from artery.services.inference.engine.base import GenerationRequest, SamplingParams
 from artery.services.inference.engine.transformers_engine import TransformersEngine
-from artery.services.trainer import policy as policy_module
+from artery.services.trainer import logprobs as logprobs_module
 from artery.services.trainer.policy import (
     LoraSettings,
     OptimSettings,
@@ -25,8 +25,8 @@ from artery.services.trainer.policy import (
     unflatten_optimizer_state,
 )
 from artery.services.trainer.sequences import build_sequences, pad_batch
+from artery.shared.tiny_model import tiny_model_path
 from artery.testing.tasks import half_alphabet_reward, half_alphabet_task_prompt, sample_trajectories
-from artery.testing.tiny_model import tiny_model_path
 
 MAX_SEQ_LEN = 256
 PROMPT = [{"role": "user", "content": "Say something."}]
@@ -211,7 +211,7 @@ def autograd_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, tempera
 @pytest.mark.parametrize("chunk_elements", [1, 2 * 3 * 50, 1 << 22])  # a position, two, all at once
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_token_logprobs_equal_the_autograd_formula(monkeypatch, chunk_elements, temperature):
-    monkeypatch.setattr(policy_module, "LOGPROB_CHUNK_ELEMENTS", chunk_elements)
+    monkeypatch.setattr(logprobs_module, "LOGPROB_CHUNK_ELEMENTS", chunk_elements)
     generator = torch.Generator().manual_seed(0)
     logits = (4 * torch.randn(3, 7, 50, generator=generator)).requires_grad_()  # [B,T,V]
     targets = torch.randint(0, 50, (3, 7), generator=generator)  # [B,T]

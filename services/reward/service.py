@@ -33,7 +33,6 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from opentelemetry import trace
 
-from artery.rewards.ruler import DEFAULT_RUBRIC, RulerError, ruler_judgement
 from artery.schemas import GroupReady, GroupScored, JudgeUsage, Trajectory, TrajectoryScore
 from artery.services.reward.judges import (
     JUDGE_CONFIG,
@@ -64,6 +63,7 @@ from artery.shared.consumer import ConsumerOptions, ConsumingService, DurableCon
 from artery.shared.db import ServicePool
 from artery.shared.errors import DependencyUnavailable, InvalidMessage
 from artery.shared.logs import get_logger
+from artery.shared.ruler import DEFAULT_RUBRIC, RulerError, ruler_judgement
 from artery.shared.tracing import extract, tracer
 
 log = get_logger(__name__)

@@ -16,16 +16,13 @@ whole optimizer step, so splitting a batch into micro-batches never changes the 
 ``Policy.restore`` rebuilds the same adapter and optimizer state, so the step after a restart is
 the step the uninterrupted run would have taken.
 
-Loading: on CUDA, when ``import unsloth`` works, Unsloth's ``FastLanguageModel`` loads the model and
-adds the LoRA (faster kernels, less memory). That path is GPU-only and untested on the CPU machines
-this was written on; everywhere else it is transformers + ``peft.get_peft_model``.
+The parts live beside it: the adapter's shape and loading (``lora``), the optimizer state files
+(``optimizer_state``), memory-lean token logprobs (``logprobs``) and heap trimming (``memory``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import dataclasses
 import functools
 import json
@@ -45,6 +42,14 @@ from torch import Tensor
 
 from artery.schemas import TrainConfig, TrainSFTConfig, Trajectory
 from artery.services.trainer.advantages import group_advantages, is_degenerate
+from artery.services.trainer.logprobs import next_token_logprobs, token_logprobs
+from artery.services.trainer.lora import (
+    DEFAULT_TARGET_MODULES,
+    LoraSettings,
+    load_peft,
+    load_unsloth,
+    unsloth_available,
+)
 from artery.services.trainer.losses import (
     DEFAULT_OFF_POLICY_TIS_CAP,
     LossConfig,
@@ -54,48 +59,37 @@ from artery.services.trainer.losses import (
     off_policy_inputs,
     select_loss,
 )
+from artery.services.trainer.memory import release_freed_memory
+from artery.services.trainer.optimizer_state import (
+    flatten_optimizer_state,
+    optimizer_steps,
+    rng_state,
+    set_rng_state,
+    unflatten_optimizer_state,
+)
 from artery.services.trainer.sequences import TrainingSequence, build_sequences, pad_batch, sft_sequences
 
-#: Qwen2/Llama-style projection names, plus ``lm_head``. On the tiny test model (hidden size 64,
-#: tied input/output embeddings) a LoRA on attention and MLP alone barely moves the logits, and
-#: the reward does not move; with ``lm_head`` it learns in a few dozen steps (ENVIRONMENT.md,
-#: "Models and GRPO on the CPU"). PEFT wraps the tied ``lm_head`` Linear without untying the
-#: embedding. Configurable: pass other ``target_modules`` (TRL, for one, refuses ``lm_head``).
-DEFAULT_TARGET_MODULES: tuple[str, ...] = (
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-    "lm_head",
-)
-#: Unsloth's ``max_seq_length`` (ART's default); only the Unsloth path uses it.
-UNSLOTH_MAX_SEQ_LENGTH = 32768
+#: Re-exported: where callers (tests, benchmarks) have always found them.
+__all__ = [
+    "DEFAULT_TARGET_MODULES",
+    "LoraSettings",
+    "OptimSettings",
+    "Policy",
+    "StepResult",
+    "flatten_optimizer_state",
+    "next_token_logprobs",
+    "plan_groups",
+    "sft_loss",
+    "token_logprobs",
+    "unflatten_optimizer_state",
+]
+
 ADAPTER_DIR = "adapter"
 TRAINER_STATE = "trainer_state.json"
 OPTIMIZER_TENSORS = "optimizer.safetensors"
 OPTIMIZER_JSON = "optimizer.json"
 RNG_TENSORS = "rng.safetensors"
 CHECKPOINT_FORMAT = 1
-
-
-@dataclass(frozen=True, kw_only=True)
-class LoraSettings:
-    """The adapter's shape (ART's defaults: r=8, alpha=16)."""
-
-    rank: int = 8
-    alpha: float = 16
-    dropout: float = 0.0
-    target_modules: tuple[str, ...] = DEFAULT_TARGET_MODULES
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "target_modules", tuple(self.target_modules))
-        if self.rank < 1 or not self.target_modules:
-            raise ValueError("LoRA needs rank >= 1 and at least one target module")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"LoRA dropout must lie in [0, 1), got {self.dropout}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -167,114 +161,6 @@ def plan_groups(groups: Sequence[Sequence[Trajectory]], *, scale_rewards: bool) 
         "reward_std": _mean(stds),  # mean within-group (population) std, as ART's reward_std_dev
     }
     return GroupPlan(advantages=advantages, metrics=metrics)
-
-
-#: Logits per chunk of ``TokenLogprobs`` (16 MiB of float32): small next to the logits themselves.
-LOGPROB_CHUNK_ELEMENTS = 1 << 22
-
-
-def logprob_chunks(logits: Tensor) -> Iterator[slice]:
-    """Slices over the positions of ``logits`` [B,T,V], each about ``LOGPROB_CHUNK_ELEMENTS``."""
-    batch, length, vocab = logits.shape
-    size = max(1, LOGPROB_CHUNK_ELEMENTS // max(1, batch * vocab))
-    for start in range(0, length, size):
-        yield slice(start, start + size)
-
-
-class TokenLogprobs(torch.autograd.Function):
-    """``log_softmax(logits.float() / temperature)`` at ``targets``, a few positions at a time.
-
-    Autograd's version of the same formula (``scaled.gather(...) - logsumexp(scaled)``) keeps a
-    float32 copy of the scaled logits for backward, and its backward makes three or four more
-    full-vocabulary tensors ([B,T,V]: 49152 columns for SmolLM2). This keeps only the logits it was
-    given and a [B,T] logsumexp; backward recomputes the softmax chunk by chunk into one gradient.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, logits: Tensor, targets: Tensor, temperature: float) -> Tensor:
-        logsumexp = logits.new_empty(targets.shape, dtype=torch.float32)  # [B,T]
-        picked = logits.new_empty(targets.shape, dtype=torch.float32)  # [B,T]
-        for positions in logprob_chunks(logits):
-            scaled = logits[:, positions].float() / temperature  # [B,c,V]
-            logsumexp[:, positions] = torch.logsumexp(scaled, dim=-1)  # [B,c]
-            picked[:, positions] = scaled.gather(-1, targets[:, positions, None]).squeeze(-1)  # [B,c]
-        ctx.save_for_backward(logits, targets, logsumexp)
-        ctx.temperature = temperature
-        return picked - logsumexp  # [B,T]
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
-        logits, targets, logsumexp = ctx.saved_tensors
-        grad_logits = torch.empty_like(logits)  # [B,T,V]
-        for positions in logprob_chunks(logits):
-            scaled = logits[:, positions].float() / ctx.temperature  # [B,c,V]
-            softmax = torch.exp(scaled - logsumexp[:, positions, None])  # [B,c,V]
-            upstream = grad[:, positions, None]  # [B,c,1]
-            # d(picked - logsumexp)/d(scaled) = one_hot(target) - softmax
-            chunk = (softmax * upstream).neg_().scatter_add_(-1, targets[:, positions, None], upstream)
-            grad_logits[:, positions] = chunk / ctx.temperature  # [B,c,V]
-        return grad_logits, None, None
-
-
-def token_logprobs(logits: Tensor, targets: Tensor, temperature: float) -> Tensor:
-    """log p(targets[:, t]) from logits[:, t] at ``temperature``: [B,T,V], [B,T] -> [B,T] float32."""
-    return TokenLogprobs.apply(logits, targets, temperature)
-
-
-def first_trained_position(assistant_mask: Tensor) -> int:
-    """The first position [B,T] that any row trains; 0 when none does."""
-    trained = assistant_mask.any(dim=0).nonzero()  # [n,1]
-    return int(trained[0, 0]) if len(trained) else 0
-
-
-def next_token_logprobs(model: Any, batch: dict[str, Tensor], temperature: float) -> Tensor:
-    """log p(input_ids[:, t+1]) from the model's logits at t, for a padded batch: [B,T-1].
-
-    Logits are made only from the first trained position on (``logits_to_keep``): a prompt's
-    positions are never trained, and logits ([B,T,V], over the whole vocabulary) are the largest
-    tensors of a step. The positions before it get 0, which every loss masks out (``assistant_mask``
-    is 0 there).
-    """
-    input_ids = batch["input_ids"]  # [B,T]
-    start = first_trained_position(batch["assistant_mask"])
-    kept = input_ids.size(1) - start  # positions start .. T-1
-    logits = model(
-        input_ids=input_ids, attention_mask=batch["attention_mask"], logits_to_keep=kept
-    ).logits  # [B,kept,V]
-    if logits.size(1) != kept:  # a model that ignores logits_to_keep returns every position
-        logits = logits[:, -kept:]  # [B,kept,V]
-    # The last position predicts past the end: it gets a placeholder target and its logprob is
-    # dropped, so that the logits are used whole (a slice of them costs a full copy in backward).
-    targets = torch.nn.functional.pad(input_ids[:, start + 1 :], (0, 1))  # [B,kept]
-    logprobs = token_logprobs(logits, targets, temperature)[:, :-1]  # [B,T-1-start]
-    return torch.nn.functional.pad(logprobs, (start, 0))  # [B,T-1]
-
-
-def release_freed_memory() -> None:
-    """Give the heap memory that a step freed back to the OS (glibc's ``malloc_trim``, every arena;
-    elsewhere a no-op).
-
-    glibc serves a CPU step's activations (blocks of megabytes) from its arenas once frees have
-    raised its mmap threshold, and keeps them for reuse; each thread has an arena of its own, and
-    the service's steps run on ``asyncio.to_thread``, whose executor takes turns between two threads.
-    Measured on SmolLM2-135M (``loadtests/trainer_memory.py``): 2.4 GB stayed resident after a step
-    per thread that ran one, 6 GB after three steps; trimmed, under 0.1 GB, for a few tenths of a
-    second per step.
-    """
-    libc = _libc()
-    if libc is not None:
-        libc.malloc_trim(0)
-
-
-@functools.cache
-def _libc() -> Any:
-    """glibc through ctypes, when this process runs on it; else None."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except OSError:
-        return None
-    return libc if hasattr(libc, "malloc_trim") else None
 
 
 def chunks(items: Sequence[TrainingSequence], size: int) -> Iterator[list[TrainingSequence]]:
@@ -390,11 +276,11 @@ class Policy:
         # without disturbing anyone else's draws.
         with torch.random.fork_rng(devices=_cuda_devices(torch_device)):
             torch.manual_seed(seed)
-            if torch_device.type == "cuda" and _unsloth_available():
-                model, tokenizer = _load_unsloth(path, lora, torch_dtype, seed)
+            if torch_device.type == "cuda" and unsloth_available():
+                model, tokenizer = load_unsloth(path, lora, torch_dtype, seed)
                 backend = "unsloth"
             else:
-                model, tokenizer = _load_peft(path, lora, torch_dtype, torch_device)
+                model, tokenizer = load_peft(path, lora, torch_dtype, torch_device)
                 backend = "peft"
         model.train()
         return cls(
@@ -439,7 +325,7 @@ class Policy:
         policy.step = int(state["step"])
         rng_file = directory / RNG_TENSORS
         if rng_file.is_file():
-            _set_rng_state(load_file(rng_file))
+            set_rng_state(load_file(rng_file))
         return policy
 
     # --- training ----------------------------------------------------------------------------------
@@ -676,7 +562,7 @@ class Policy:
             )
             save_file(tensors, partial / OPTIMIZER_TENSORS)
             _write_json(partial / OPTIMIZER_JSON, structure)
-            save_file(_rng_state(), partial / RNG_TENSORS)
+            save_file(rng_state(), partial / RNG_TENSORS)
             _write_json(partial / TRAINER_STATE, self._trainer_state())
             _replace_dir(partial, directory)
         finally:
@@ -687,7 +573,7 @@ class Policy:
         return {
             "format": CHECKPOINT_FORMAT,
             "step": self.step,
-            "optimizer_steps": _optimizer_steps(self.optimizer),
+            "optimizer_steps": optimizer_steps(self.optimizer),
             "seed": self.seed,
             "backend": self.backend,
             "base_model": self.base_model_path,
@@ -717,40 +603,6 @@ class Policy:
         self.optimizer.load_state_dict(unflatten_optimizer_state(tensors, structure))
         for group in self.optimizer.param_groups:  # the settings given now win over the saved ones
             group.update(betas=self.optim.betas, weight_decay=self.optim.weight_decay, eps=self.optim.eps)
-
-
-# --------------------------------------------------------------------------- optimizer state files
-
-
-def flatten_optimizer_state(
-    state_dict: dict[str, Any], param_names: list[str]
-) -> tuple[dict[str, Tensor], dict[str, Any]]:
-    """``optimizer.state_dict()`` as safetensors tensors (``"<index>.<key>"``) plus a JSON structure."""
-    tensors: dict[str, Tensor] = {}
-    state: dict[str, dict[str, Any]] = {}
-    for index, entries in state_dict["state"].items():
-        state[str(index)] = {}
-        for key, value in entries.items():
-            if isinstance(value, Tensor):
-                tensors[f"{index}.{key}"] = value.detach().cpu().contiguous()
-                state[str(index)][key] = {"tensor": f"{index}.{key}"}
-            else:
-                state[str(index)][key] = {"value": value}
-    groups = [
-        {k: list(v) if isinstance(v, tuple) else v for k, v in g.items()} for g in state_dict["param_groups"]
-    ]
-    return tensors, {"param_names": param_names, "param_groups": groups, "state": state}
-
-
-def unflatten_optimizer_state(tensors: dict[str, Tensor], structure: dict[str, Any]) -> dict[str, Any]:
-    state: dict[int, dict[str, Any]] = {}
-    for index, entries in structure["state"].items():
-        state[int(index)] = {
-            key: tensors[spec["tensor"]] if "tensor" in spec else spec["value"]
-            for key, spec in entries.items()
-        }
-    groups = [{k: tuple(v) if k == "betas" else v for k, v in g.items()} for g in structure["param_groups"]]
-    return {"state": state, "param_groups": groups}
 
 
 # --------------------------------------------------------------------------- internals
@@ -787,79 +639,6 @@ def _cuda_devices(device: torch.device) -> list[int]:
     if device.type != "cuda":
         return []
     return [device.index if device.index is not None else torch.cuda.current_device()]
-
-
-def _peft_config(lora: LoraSettings) -> Any:
-    from peft import LoraConfig
-
-    return LoraConfig(
-        r=lora.rank,
-        lora_alpha=lora.alpha,
-        lora_dropout=lora.dropout,
-        target_modules=list(lora.target_modules),
-        bias="none",
-        task_type="CAUSAL_LM",
-    )
-
-
-def _load_peft(path: str, lora: LoraSettings, dtype: torch.dtype, device: torch.device) -> tuple[Any, Any]:
-    from peft import get_peft_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    base = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
-    # Adapter weights stay float32 on a bf16 base (PEFT's autocast_adapter_dtype): AdamW on bf16
-    # LoRA weights loses small updates.
-    return get_peft_model(base, _peft_config(lora)), tokenizer
-
-
-def _unsloth_available() -> bool:
-    """Whether ``import unsloth`` works. Only asked on CUDA: importing it patches transformers."""
-    try:
-        import unsloth  # noqa: F401
-    except Exception:  # ImportError, or its own errors without a usable GPU
-        return False
-    return True
-
-
-def _load_unsloth(path: str, lora: LoraSettings, dtype: torch.dtype, seed: int) -> tuple[Any, Any]:
-    """GPU only; untested on the CPU machines this module was written on."""
-    from unsloth import FastLanguageModel
-
-    model, tokenizer = FastLanguageModel.from_pretrained(
-        model_name=path, max_seq_length=UNSLOTH_MAX_SEQ_LENGTH, dtype=dtype, load_in_4bit=False
-    )
-    model = FastLanguageModel.get_peft_model(
-        model,
-        r=lora.rank,
-        lora_alpha=lora.alpha,
-        lora_dropout=lora.dropout,
-        target_modules=list(lora.target_modules),
-        bias="none",
-        random_state=seed,
-        use_gradient_checkpointing="unsloth",
-    )
-    return model, tokenizer
-
-
-def _optimizer_steps(optimizer: torch.optim.Optimizer) -> int:
-    steps = [float(s["step"]) for s in optimizer.state.values() if "step" in s]
-    return int(max(steps)) if steps else 0
-
-
-def _rng_state() -> dict[str, Tensor]:
-    state = {"torch_cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        for i, cuda_state in enumerate(torch.cuda.get_rng_state_all()):
-            state[f"torch_cuda.{i}"] = cuda_state
-    return state
-
-
-def _set_rng_state(state: dict[str, Tensor]) -> None:
-    torch.set_rng_state(state["torch_cpu"])
-    cuda = [state[k] for k in sorted(state) if k.startswith("torch_cuda.")]
-    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(cuda)
 
 
 def _write_json(path: Path, data: Any) -> None:
