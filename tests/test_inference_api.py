@@ -23,6 +23,7 @@ from artery.services.inference.engine.base import (
     EngineError,
     GenerationRequest,
     TokenStep,
+    UnknownAdapter,
 )
 from artery.services.inference.serving import EnginePaused, ServingState
 from artery.services.inference.streaming import TextFilter
@@ -436,6 +437,28 @@ async def test_a_request_held_by_a_pause_gets_the_adapter_loaded_during_it(clien
     state.admit = admit
     response = await client.chat.completions.create(model="fake", messages=USER)
     assert response.model == "fake@5" and engine.requests[-1].adapter == "fake@5"
+
+
+async def test_a_bare_name_whose_step_was_retired_mid_request_is_served_by_the_newest(client, engine):
+    """Asynchronous training: step 5 is resolved, then retired (retention) as step 6 is loaded,
+    before the engine runs the request. The bare name means "the newest": step 6 answers. A
+    request that named step 5 itself gets the 404."""
+    engine.loaded = ["fake@5"]
+    generate = engine.generate
+
+    async def retiring(request: GenerationRequest) -> list[Completion]:
+        if request.adapter == "fake@5":
+            engine.loaded = ["fake@6"]
+            raise UnknownAdapter("fake@5")
+        return await generate(request)
+
+    engine.generate = retiring
+    response = await client.chat.completions.create(model="fake", messages=USER)
+    assert response.model == "fake@6" and engine.requests[-1].adapter == "fake@6"
+    assert response.choices[0].model_extra["served_model"] == "fake@6"
+    engine.loaded = ["fake@5", "fake@6"]
+    with pytest.raises(openai.NotFoundError, match="not loaded"):
+        await client.chat.completions.create(model="fake@5", messages=USER)
 
 
 # --------------------------------------------------------------------------- errors

@@ -163,11 +163,22 @@ def create_app(state: ServingState, *, max_body_bytes: int = DEFAULT_MAX_BODY_BY
                 events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
             )
 
-        with _translate_errors():
+        async def generate() -> tuple[Resolved, list]:
             async with state.admit():
                 resolved, generation = prepare()
                 span.set_attribute("artery.served_name", resolved.served_name)
-                completions = await engine.generate(generation)
+                return resolved, await engine.generate(generation)
+
+        with _translate_errors():
+            try:
+                resolved, completions = await generate()
+            except UnknownAdapter:
+                # The bare name means "the newest step": the step it resolved to was retired while
+                # the request waited (retention, with training going on beside serving). Once more,
+                # with what is newest now; a request for a retired ``<model>@<step>`` stays a 404.
+                if request.model != state.model:
+                    raise
+                resolved, completions = await generate()
         return _json(
             _completion(request, request_id, resolved, prompt, completions, pieces(engine.tokenizer))
         )
