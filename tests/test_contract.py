@@ -352,7 +352,8 @@ def test_drift_is_detected(tmp_path):
 ASYNCAPI = json.loads((generate.GENERATED_DIR / "asyncapi.json").read_text())
 # Functions of shared/subjects.py that name KV keys or parse subjects; every other one is a subject
 # and must have a channel.
-NOT_SUBJECT_FUNCTIONS = {"model_key", "replica_key", "replica_keys", "parse_trajectories"}
+#: KV keys and their update subjects are not event channels (the KV values are in the contract).
+NOT_SUBJECT_FUNCTIONS = {"model_key", "replica_key", "replica_keys", "kv_updates", "parse_trajectories"}
 SUBJECT_FUNCTIONS = [
     fn
     for name, fn in inspect.getmembers(subjects, inspect.isfunction)
