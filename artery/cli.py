@@ -29,6 +29,14 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     services = tuple(s for s in args.services.split(",") if s) if args.services else SERVICES
     replicas = [_parse_serve(spec) for spec in args.serve or []]
+    engine_env = {"ARTERY_INFERENCE_ENGINE": args.engine} if args.engine else {}
+    if replicas:
+        from artery.stack import EngineUnavailable, inference_python
+
+        try:  # before anything starts: a missing vLLM venv is a message, not a crash loop
+            inference_python({**os.environ, **engine_env})
+        except EngineUnavailable as exc:
+            raise SystemExit(f"artery up: {exc}") from None
     stack = Stack(
         home=Path(args.home),
         nats_url=os.environ.get("ARTERY_NATS_URL") or None,
@@ -65,12 +73,14 @@ def cmd_up(args: argparse.Namespace) -> int:
             stack.start_service(
                 name,
                 service="inference",
-                env=stack.replica_env(project, model, base_model),
+                env={**stack.replica_env(project, model, base_model), **engine_env},
             )
             _line(name, "started", f"serving {project}/{model} on {base_model}")
         for name in stack.processes:
             stack.processes[name].wait_ready(timeout=300)
             _line(name, "ready")
+        stack.save_endpoints()
+        _print_endpoints(stack.endpoints())
         print("Artery is up. Ctrl-C stops it.", flush=True)
         while not stopping:
             time.sleep(0.5)
@@ -97,6 +107,22 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_endpoints(endpoints: dict) -> None:
+    """Where to connect, in one block (``artery up`` once ready, and ``artery status``)."""
+    print("where to connect:", flush=True)
+    if endpoints.get("console_url"):
+        print(f"  console      {endpoints['console_url']}")
+    for name, url in (endpoints.get("inference") or {}).items():
+        print(f"  inference    {url}  ({name.removeprefix('inference-')}; OPENAI_BASE_URL)")
+    print(f"  NATS         {endpoints.get('nats_url')}  (ARTERY_NATS_URL)")
+    credentials = endpoints.get("credentials")
+    if credentials:
+        print("  credentials  " + " ".join(f"{k}={v}" for k, v in credentials.items()))
+    else:
+        print("  credentials  none: the embedded NATS is open to local clients (--secure adds users)")
+    sys.stdout.flush()
+
+
 def _parse_serve(spec: str) -> tuple[str, str, str]:
     """``project/model=base_model`` (``demo/agent=artery/tiny-random``)."""
     names, _, base_model = spec.partition("=")
@@ -106,14 +132,36 @@ def _parse_serve(spec: str) -> tuple[str, str, str]:
     return project, model, base_model
 
 
-def _connection_urls(home: str) -> tuple[str, str | None]:
+def _find_stack(home: str) -> tuple[str, str | None, str, dict]:
+    """NATS and PostgreSQL URLs, where they came from (said to the user), and ``stack.json``."""
     nats_url = os.environ.get("ARTERY_NATS_URL")
     database_url = os.environ.get("ARTERY_DATABASE_URL")
     state = Path(home) / "stack.json"
-    if state.exists() and not nats_url:
+    if nats_url:
+        return nats_url, database_url, "from ARTERY_NATS_URL", {}
+    if state.exists():
         saved = json.loads(state.read_text())
-        nats_url, database_url = saved["nats_url"], database_url or saved.get("database_url")
-    return nats_url or "nats://127.0.0.1:4222", database_url
+        source = f"from {state}"
+        pid = saved.get("pid")
+        if pid and not _alive(pid):
+            source += f" (its `artery up`, pid {pid}, is not running: the stack may be stopped)"
+        return saved["nats_url"], database_url or saved.get("database_url"), source, saved
+    return (
+        "nats://127.0.0.1:4222",
+        database_url,
+        f"the default: no {state} (start one with `artery up`, or pass --home / ARTERY_NATS_URL)",
+        {},
+    )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 async def _status(home: str) -> int:
@@ -123,8 +171,8 @@ async def _status(home: str) -> int:
     from artery.shared.registry import read_record
     from artery.shared.settings import CommonSettings
 
-    nats_url, database_url = _connection_urls(home)
-    print(f"NATS {nats_url}")
+    nats_url, database_url, source, saved = _find_stack(home)
+    print(f"NATS {nats_url} ({source})")
     options: dict = {"max_reconnect_attempts": 0, "allow_reconnect": False}
     admin_secret = Path(home) / "secrets" / "admin"
     if admin_secret.exists() and not os.environ.get("ARTERY_NATS_USER"):
@@ -140,17 +188,28 @@ async def _status(home: str) -> int:
         return 1
     js = nc.jetstream()
     print(f"  {'stream':<22} {'messages':>9} {'bytes':>11}   consumers (pending / unacked / redelivered)")
+    missing = 0
     for spec in subjects.STREAMS:
         try:
             info = await js.stream_info(spec.name)
         except Exception:
             print(f"  {spec.name:<22} {'(missing)':>9}")
+            missing += 1
             continue
         consumers = ", ".join(
             f"{c.name} {c.num_pending}/{c.num_ack_pending}/{c.num_redelivered}"
             for c in await js.consumers_info(spec.name)
         )
         print(f"  {spec.name:<22} {info.state.messages:>9} {info.state.bytes:>11}   {consumers or '-'}")
+    if missing == len(subjects.STREAMS):
+        print(
+            f"{nats_url} has none of Artery's streams: it is not an Artery stack (or nothing has "
+            "provisioned it yet). Is `artery up` running, and with which --home?"
+        )
+        await bus.close(nc)
+        return 1
+    if saved.get("console_url") or saved.get("inference"):
+        _print_endpoints(saved)
     replicas = await _replicas(js)
     if replicas:
         print("inference replicas")
@@ -195,6 +254,20 @@ def cmd_status(args: argparse.Namespace) -> int:
     return asyncio.run(_status(args.home))
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    """A model's trajectories with rewards, verdicts and sampled tokens (``artery.export``)."""
+    from artery import export
+
+    _, database_url, source, _ = _find_stack(args.home)
+    if not database_url:
+        raise SystemExit(f"artery export: no PostgreSQL (ARTERY_DATABASE_URL, or `artery up`'s {source})")
+    rows = asyncio.run(export.fetch_rows(database_url, args.project, args.model))
+    output = Path(args.output or f"{args.project}-{args.model}.{args.format}")
+    export.write(rows, output, args.format)
+    print(f"{len(rows)} trajectories of {args.project}/{args.model} -> {output}")
+    return 0
+
+
 def cmd_provision(_: argparse.Namespace) -> int:
     """Create or update every stream, bucket and object store (``ARTERY_*`` settings, e.g.
     ``ARTERY_STREAM_REPLICAS``). Services only create what is missing, and with per-service NATS
@@ -217,6 +290,7 @@ def cmd_provision(_: argparse.Namespace) -> int:
 
 def cmd_config(_: argparse.Namespace) -> int:
     from artery.services.collector import settings as collector
+    from artery.services.console import settings as console
     from artery.services.inference import settings as inference
     from artery.services.publisher import settings as publisher
     from artery.services.reward import settings as reward
@@ -232,6 +306,7 @@ def cmd_config(_: argparse.Namespace) -> int:
         ("inference", inference.InferenceSettings, inference.PREFIX),
         ("trainer", trainer.TrainerSettings, trainer.PREFIX),
         ("publisher", publisher.PublisherSettings, publisher.PREFIX),
+        ("console", console.ConsoleSettings, console.PREFIX),
     ):
         print(f"# {title}")
         for variable, default, description in describe(cls, prefix):
@@ -299,6 +374,12 @@ def main(argv: list[str] | None = None) -> int:
         help="start an inference replica for a model (repeatable), e.g. demo/agent=artery/tiny-random",
     )
     up.add_argument(
+        "--engine",
+        choices=["transformers", "vllm"],
+        help="inference engine of the --serve replicas (default: ARTERY_INFERENCE_ENGINE, else "
+        "transformers); vllm runs them from .venv-vllm (`make setup-vllm`)",
+    )
+    up.add_argument(
         "--secure",
         action="store_true",
         help="embedded NATS with one user per service and agent-PROJECT per --project (see Security)",
@@ -310,6 +391,13 @@ def main(argv: list[str] | None = None) -> int:
     status = sub.add_parser("status", help="streams, consumers, lag and row counts")
     status.add_argument("--home", default=DEFAULT_HOME, help="state directory of `artery up`")
     status.set_defaults(func=cmd_status)
+    export = sub.add_parser("export", help="a model's trajectories, rewards and sampled tokens to a file")
+    export.add_argument("--project", required=True)
+    export.add_argument("--model", required=True)
+    export.add_argument("--format", choices=["parquet", "jsonl"], default="parquet")
+    export.add_argument("--output", help="file to write (default PROJECT-MODEL.FORMAT)")
+    export.add_argument("--home", default=DEFAULT_HOME, help="state directory of `artery up`")
+    export.set_defaults(func=cmd_export)
     config = sub.add_parser("config", help="print every setting with its default")
     config.set_defaults(func=cmd_config)
     provision = sub.add_parser("provision", help="create or update every stream and bucket (as admin)")

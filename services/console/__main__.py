@@ -1,0 +1,3 @@
+from artery.services.console.main import main
+
+main()
