@@ -507,7 +507,18 @@ async def test_every_service_runs_its_consumer_under_its_own_user(secured):
             subjects.retention_request("*", "*"), queue="publisher", cb=retain
         )
         await clients["publisher"].nc.flush()
-        reply = await agent.nc.request(subjects.retention_request(PROJECT, MODEL), b"{}", timeout=2)
+        # ci-fresh saw one "no responders" here, on a machine loaded far past CI's, once in six runs:
+        # the publisher's subscription (flushed, so the server had it) was not matched. Until the
+        # cause is known, the answer is waited for as the readiness signal it is — bounded, and the
+        # publisher's connection and its server errors are named if it is gone.
+        for _ in range(50):
+            try:
+                reply = await agent.nc.request(subjects.retention_request(PROJECT, MODEL), b"{}", timeout=2)
+                break
+            except nats.errors.NoRespondersError:
+                publisher = clients["publisher"]
+                assert publisher.nc.is_connected, f"publisher disconnected: {publisher.errors}"
+                await publisher.nc.flush()
         assert reply.data == b"done"
         agent.clean()
         other = subjects.retention_request(OTHER, MODEL)
