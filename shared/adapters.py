@@ -17,6 +17,7 @@ import shutil
 import tarfile
 import tempfile
 from pathlib import Path, PurePosixPath
+from urllib.parse import unquote, urlsplit
 
 from nats.js import JetStreamContext
 from nats.js.api import ObjectInfo
@@ -42,6 +43,22 @@ class AdapterError(ArteryError):
 
 class AdapterNotFound(AdapterError):
     pass
+
+
+def local_file(uri: str) -> Path:
+    """The path of a ``file:///abs/path`` URI (``file://localhost/...`` too): where the trainer
+    wrote an adapter, as the publisher and a replica on the same filesystem read it."""
+    parts = urlsplit(uri)
+    if parts.scheme != "file":
+        raise AdapterError(f"only file:// URIs are accepted, not {uri[:200]!r}")
+    if parts.netloc not in ("", "localhost"):
+        raise AdapterError(f"{uri[:200]!r} names host {parts.netloc!r}; only this machine's files are read")
+    if parts.query or parts.fragment:
+        raise AdapterError(f"{uri[:200]!r}: a file URI has no query or fragment")
+    path = Path(unquote(parts.path))
+    if not path.is_absolute():
+        raise AdapterError(f"{uri[:200]!r}: the path must be absolute")
+    return path
 
 
 def check_member_name(name: str) -> None:

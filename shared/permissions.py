@@ -295,6 +295,8 @@ def permissions(role: str, user: str, *, project: str | None = None) -> Permissi
             subjects.control("pause", "*", "*"),
             subjects.control("resume", "*", "*"),
             published,  # followed live (services.inference.checkpoints)
+            # The trainer's file as soon as it is saved, where the replica can read it (same machine).
+            subjects.checkpoint("saved", "*", "*"),
             subjects.checkpoint("deleted", "*", "*"),
         ]
         responses = True  # pause and resume acks, on the trainer's inbox only

@@ -25,6 +25,15 @@ For a load: fetch the archive from the Object Store, verify the announced sha256
 the local cache, load it as ``<model>@<step>`` and tell the serving state through
 ``on_loaded(step, served_name)``.
 
+With ``load_saved`` (a replica on the trainer's machine: ``artery up``, ``LocalBackend``), the
+replica also follows ``checkpoint.saved`` and loads the trainer's own archive file as soon as it
+is written, so the publisher's copy into the Object Store is off the critical path of a training
+step. The bytes are checked against the saved event's sha256 as a fetch is; the publisher's
+``checkpoint.published`` for that step then finds the same sha256 loaded and does nothing. A file
+this replica cannot read (another machine, another container) is no error: the published event
+follows, and the adapter comes from the Object Store as without ``load_saved``. Only the trainer
+may publish ``checkpoint.saved`` (shared/permissions.py), so no agent can point a replica at a file.
+
 ``lag()`` says when the replica has served an older step than the newest published one for
 longer than ``max_lag_s`` (``/health`` turns that into a 503).
 
@@ -50,11 +59,11 @@ from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 from opentelemetry import trace
 
-from artery.schemas import CheckpointDeleted, CheckpointPublished
+from artery.schemas import CheckpointDeleted, CheckpointPublished, CheckpointSaved
 from artery.services.inference.engine.base import Engine
 from artery.services.inference.serving import CheckpointLag
 from artery.shared import subjects
-from artery.shared.adapters import AdapterError, AdapterNotFound, get_adapter, unpack_adapter
+from artery.shared.adapters import AdapterError, AdapterNotFound, get_adapter, local_file, unpack_adapter
 from artery.shared.bus import CONTENT_TYPE
 from artery.shared.codec import EventDecoder
 from artery.shared.errors import InvalidMessage
@@ -66,6 +75,7 @@ log = get_logger(__name__)
 OnLoaded = Callable[[int, str], Awaitable[None] | None]
 _decoder = EventDecoder(CheckpointPublished)
 _deleted_decoder = EventDecoder(CheckpointDeleted)
+_saved_decoder = EventDecoder(CheckpointSaved)
 _tracer = tracer("inference")
 _FIRST_CATCH_UP_ATTEMPTS = 25
 
@@ -74,7 +84,7 @@ _FIRST_CATCH_UP_ATTEMPTS = 25
 class _Received:
     """A decoded checkpoint event and the headers it came with (its trace)."""
 
-    event: CheckpointPublished | CheckpointDeleted
+    event: CheckpointPublished | CheckpointSaved | CheckpointDeleted
     headers: dict[str, str] | None
 
 
@@ -96,6 +106,7 @@ class CheckpointWatcher:
         retry_delay_s: float = 1.0,
         catch_up_s: float = 10.0,
         max_lag_s: float = 60.0,
+        load_saved: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.js = js
@@ -108,9 +119,11 @@ class CheckpointWatcher:
         self.retry_delay_s = retry_delay_s
         self.catch_up_s = catch_up_s
         self.max_lag_s = max_lag_s
+        self.load_saved = load_saved
         self._clock = clock
         self._published = subjects.checkpoint("published", project, model)
         self._deleted = subjects.checkpoint("deleted", project, model)
+        self._saved = subjects.checkpoint("saved", project, model)
         #: step -> sha256 of the adapter loaded for it.
         self._steps: dict[int, str] = {}
         #: step -> sha256 of the published event dealt with for good (loaded or refused): what a
@@ -135,6 +148,11 @@ class CheckpointWatcher:
     def loaded(self) -> dict[str, str]:
         """Served name -> sha256 of what is loaded under it."""
         return {served_name(self.model, step): sha for step, sha in self._steps.items()}
+
+    @property
+    def settled_steps(self) -> set[int]:
+        """Published steps dealt with for good: loaded (or found loaded already) or refused."""
+        return set(self._settled)
 
     @property
     def newest_step(self) -> int | None:
@@ -165,6 +183,8 @@ class CheckpointWatcher:
             await nc.subscribe(self._published, cb=self._on_published),
             await nc.subscribe(self._deleted, cb=self._on_deleted),
         ]
+        if self.load_saved:
+            self._subs.append(await nc.subscribe(self._saved, cb=self._on_saved))
         # After subscribing: an event published in between is read twice, and loaded once.
         await self._first_catch_up()
         self._tasks = [asyncio.create_task(self._run()), asyncio.create_task(self._keep_catching_up())]
@@ -188,6 +208,20 @@ class CheckpointWatcher:
 
     async def _on_published(self, msg) -> None:
         self._offer(msg.data, msg.headers, live=True)
+
+    async def _on_saved(self, msg) -> None:
+        """The trainer's own file, before the publisher has copied it: loaded if it is the newest."""
+        try:
+            event = _saved_decoder.decode(msg.data, (msg.headers or {}).get(CONTENT_TYPE))
+        except InvalidMessage as exc:
+            log.warning("unreadable checkpoint.saved; waiting for the published event", error=str(exc))
+            return
+        if event.step is None or event.step in self._gone or event.step <= self.served_step:
+            return  # nothing to gain: a newer (or this) step is served already
+        if event.step in self._pending:
+            return  # its published event came first: that one is loaded
+        self._pending[event.step] = _Received(event, msg.headers)
+        self._wake.set()
 
     async def _on_deleted(self, msg) -> None:
         try:
@@ -221,6 +255,11 @@ class CheckpointWatcher:
         if event.step in self._gone or self._settled.get(event.step) == event.sha256:
             return
         self._live.add(event.step)
+        waiting = self._pending.get(event.step)
+        if isinstance(waiting, _Received) and isinstance(waiting.event, CheckpointSaved):
+            if waiting.event.sha256 == event.sha256:
+                self._track_lag()
+                return  # the same bytes are about to be loaded from the trainer's file
         self._pending[event.step] = _Received(event, headers)
         self._track_lag()
         self._wake.set()
@@ -296,10 +335,12 @@ class CheckpointWatcher:
             log.exception("checkpoint handling failed", step=received.event.step)
         self._track_lag()
 
-    async def _load(self, step: int, event: CheckpointPublished) -> str | None:
-        """Load one published step; the served name when it is loaded, else None."""
+    async def _load(self, step: int, event: CheckpointPublished | CheckpointSaved) -> str | None:
+        """Load one published (or, with ``load_saved``, saved) step; its served name, else None."""
         name = served_name(self.model, step)
         trace.get_current_span().set_attribute("artery.served_name", name)
+        if isinstance(event, CheckpointSaved):
+            return await self._load_saved(step, name, event)
         if event.served_name != name:
             log.warning(
                 "served_name differs from <model>@<step>; using the latter", announced=event.served_name
@@ -318,21 +359,39 @@ class CheckpointWatcher:
             log.error("adapter refused; not loaded", served_name=name, error=str(exc))
             self._refuse(step, event.sha256)
             return None
+        if await self._serve(step, name, path, event.sha256):
+            self._settled[step] = event.sha256
+            return name
+        return None
+
+    async def _load_saved(self, step: int, name: str, event: CheckpointSaved) -> str | None:
+        """The trainer's archive from its file; None (the published event follows) when unreadable."""
+        try:
+            data = await asyncio.to_thread(local_file(event.uri).read_bytes)
+            dest = self.cache_dir / f"step-{step}"
+            path = await asyncio.to_thread(unpack_adapter, data, dest, event.sha256)
+        except (OSError, AdapterError) as exc:
+            log.info("saved adapter not loadable here; waiting for it published", step=step, error=str(exc))
+            return None
+        return name if await self._serve(step, name, path, event.sha256, source="saved") else None
+
+    async def _serve(self, step: int, name: str, path: Path, sha256: str, source: str = "published") -> bool:
+        """Hand an unpacked adapter to the engine under ``name`` and announce it."""
         if step in self._gone:  # deleted while it was unpacked
             log.info("adapter deleted before it was loaded; skipped", served_name=name)
             await asyncio.to_thread(shutil.rmtree, path, True)
-            return None
+            return False
         if step in self._steps:  # a step re-published with other bytes: replace what is served
             with contextlib.suppress(Exception):
                 await self.engine.unload_adapter(name)
         await self.engine.load_adapter(name, path)
-        self._steps[step] = self._settled[step] = event.sha256
+        self._steps[step] = sha256
         self._track_lag()
-        log.info("adapter loaded", served_name=name, sha256=event.sha256)
+        log.info("adapter loaded", served_name=name, sha256=sha256, source=source)
         result = self.on_loaded(step, name)
         if inspect.isawaitable(result):
             await result
-        return name
+        return True
 
     def _refuse(self, step: int, sha256: str) -> None:
         """Dealt with for good without loading: not served, so nobody waits on it either."""

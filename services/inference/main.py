@@ -67,6 +67,7 @@ async def start(common: CommonSettings, stop: asyncio.Event) -> None:
         is_paused=lambda: gate.paused,
         api_key=secret_value(settings.api_key, settings.api_key_file, f"{PREFIX}API_KEY"),
         default_max_tokens=settings.default_max_tokens,
+        base_model=settings.base_model,  # also served by its own name, as the step-0 policy
     )
     server, server_task, port = await serve_http(
         create_app(state, max_body_bytes=settings.max_body_bytes), settings.host, settings.port
@@ -89,6 +90,7 @@ async def start(common: CommonSettings, stop: asyncio.Event) -> None:
         on_loaded,
         cache_dir=cache_dir,
         max_lag_s=settings.max_checkpoint_lag_s,
+        load_saved=settings.load_saved_adapters,
     )
     state.checkpoint_lag = watcher.lag
 

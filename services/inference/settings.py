@@ -63,6 +63,13 @@ class InferenceSettings(msgspec.Struct, kw_only=True, frozen=True):
         default_factory=default_replica_id
     )
     adapter_cache_dir: Annotated[str | None, doc("where fetched adapters are unpacked")] = None
+    load_saved_adapters: Annotated[
+        bool,
+        doc(
+            "load an adapter from the trainer's file as soon as it is saved, when this replica can"
+            " read it (same machine); otherwise, or if unreadable, once it is published"
+        ),
+    ] = True
     max_checkpoint_lag_s: Annotated[
         float,
         doc("longest time serving an older step than the newest published before /health is 503", gt=0),

@@ -14,9 +14,14 @@ import io
 import stat
 import tarfile
 from pathlib import Path
-from urllib.parse import unquote, urlsplit
 
-from artery.shared.adapters import MAX_ADAPTER_BYTES, AdapterError, check_member_name, sha256_hex
+from artery.shared.adapters import (
+    MAX_ADAPTER_BYTES,
+    AdapterError,
+    check_member_name,
+    local_file,
+    sha256_hex,
+)
 from artery.shared.errors import DependencyUnavailable, InvalidMessage
 
 _MISSING = {errno.ENOENT, errno.ENOTDIR}
@@ -24,19 +29,10 @@ _MISSING = {errno.ENOENT, errno.ENOTDIR}
 
 def adapter_path(uri: str) -> Path:
     """The local path of a ``file:///abs/path`` URI (``file://localhost/...`` too)."""
-    parts = urlsplit(uri)
-    if parts.scheme != "file":
-        raise InvalidMessage("uri", f"only file:// URIs are accepted, not {uri[:200]!r}")
-    if parts.netloc not in ("", "localhost"):
-        raise InvalidMessage(
-            "uri", f"{uri[:200]!r} names host {parts.netloc!r}; the publisher reads its own filesystem"
-        )
-    if parts.query or parts.fragment:
-        raise InvalidMessage("uri", f"{uri[:200]!r}: a file URI has no query or fragment")
-    path = Path(unquote(parts.path))
-    if not path.is_absolute():
-        raise InvalidMessage("uri", f"{uri[:200]!r}: the path must be absolute")
-    return path
+    try:
+        return local_file(uri)
+    except AdapterError as exc:
+        raise InvalidMessage("uri", str(exc)) from exc
 
 
 def read_adapter(path: Path, sha256: str, size_bytes: int) -> bytes:

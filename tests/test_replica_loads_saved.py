@@ -1,0 +1,120 @@
+"""A replica on the trainer's machine serves a step as soon as it is saved (#11).
+
+The publisher's copy into the Object Store is then off the critical path of a training step: the
+replica reads the trainer's archive file, checks it against ``checkpoint.saved``'s sha256, and the
+publisher's ``checkpoint.published`` for that step finds it loaded already. Where the replica
+cannot read the file (another machine), the published event brings the adapter as before.
+
+Real nats-server, PostgreSQL and publisher; the engine records its loads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from artery.schemas import CheckpointPublished, new_event_id
+from artery.services.inference.checkpoints import CheckpointWatcher
+from artery.services.publisher.service import object_name
+from artery.shared import subjects
+from artery.shared.adapters import put_adapter, sha256_hex
+from artery.shared.bus import publish_event
+from tests.test_publisher import MODEL, PROJECT, SAVED, saved_event, write_adapter
+from tests.test_replica_follows import following, publishing, until
+
+pytestmark = pytest.mark.timeout(120)
+WAIT_S = 30.0
+
+
+class RecordingEngine:
+    """Loads at once; ``loaded_event`` is set on every load, so a test waits on the load itself."""
+
+    kind = "recording"
+
+    def __init__(self) -> None:
+        self.started: list[str] = []
+        self.loaded_event = asyncio.Event()
+
+    async def load_adapter(self, name: str, path) -> None:
+        self.started.append(name)
+        self.loaded_event.set()
+
+    async def unload_adapter(self, name: str) -> None:
+        self.started.remove(name)
+
+    def adapters(self) -> list[str]:
+        return list(self.started)
+
+    async def next_load(self) -> None:
+        await asyncio.wait_for(self.loaded_event.wait(), WAIT_S)
+        self.loaded_event.clear()
+
+
+def watcher_for(js, engine, tmp_path, name: str, *, load_saved: bool, announced: list | None = None):
+    def on_loaded(step: int, served: str) -> None:
+        if announced is not None:
+            announced.append(step)
+
+    return CheckpointWatcher(
+        js, PROJECT, MODEL, engine, on_loaded, cache_dir=tmp_path / name, load_saved=load_saved
+    )
+
+
+async def test_a_saved_step_is_served_before_it_is_published_and_loaded_once(nc, js, database_url, tmp_path):
+    fast, slow = RecordingEngine(), RecordingEngine()
+    announced: list[int] = []
+    fast_watcher = watcher_for(js, fast, tmp_path, "fast", load_saved=True, announced=announced)
+    slow_watcher = watcher_for(js, slow, tmp_path, "slow", load_saved=False)
+    published = subjects.checkpoint("published", PROJECT, MODEL)
+    published_seen = asyncio.Event()
+
+    async def seen(msg) -> None:
+        published_seen.set()
+
+    sub = await nc.subscribe(published, cb=seen)
+    await nc.flush()  # the subscription is on the server before anything can be published
+    uri, data = write_adapter(tmp_path / "trainer", 1, size=50_000)
+    async with following(fast_watcher), following(slow_watcher):
+        # No publisher yet: only the trainer's checkpoint.saved exists.
+        await publish_event(js, SAVED, saved_event(uri, data, 1))
+        await fast.next_load()
+        assert fast.started == [f"{MODEL}@1"] and announced == [1]
+        assert fast_watcher.loaded == {f"{MODEL}@1": sha256_hex(data)}
+        assert slow.started == []  # without load_saved a replica waits for the published event
+
+        async with publishing(nc, database_url, keep_latest=10):
+            await asyncio.wait_for(published_seen.wait(), WAIT_S)
+            await slow.next_load()  # the Object Store path, for the replica that waited
+            await until(lambda: 1 in fast_watcher.settled_steps)  # it saw step 1 published too...
+            assert fast.started == [f"{MODEL}@1"]  # ...and found those bytes loaded: no second load
+            assert announced == [1]
+            assert fast_watcher.newest_step == 1 and fast_watcher.lag() is None
+            assert slow.started == [f"{MODEL}@1"]
+    await sub.unsubscribe()
+
+
+async def test_a_saved_file_this_replica_cannot_read_waits_for_the_published_adapter(nc, js, tmp_path):
+    engine = RecordingEngine()
+    watcher = watcher_for(js, engine, tmp_path, "replica", load_saved=True)
+    uri, data = write_adapter(tmp_path / "trainer", 1, size=50_000)
+    elsewhere = uri.replace("/trainer/", "/on-another-machine/")  # no such file here
+    async with following(watcher):
+        await publish_event(js, SAVED, saved_event(elsewhere, data, 1))
+        name = object_name(PROJECT, MODEL, 1)
+        await put_adapter(js, name, data)  # what the publisher, on the trainer's machine, does
+        event = CheckpointPublished(
+            id=new_event_id(),
+            project=PROJECT,
+            model=MODEL,
+            step=1,
+            object_name=name,
+            sha256=sha256_hex(data),
+            size_bytes=len(data),
+            base_model="tiny",
+            served_name=f"{MODEL}@1",
+        )
+        await publish_event(js, subjects.checkpoint("published", PROJECT, MODEL), event)
+        await engine.next_load()
+        assert engine.started == [f"{MODEL}@1"]
+        assert watcher.loaded == {f"{MODEL}@1": sha256_hex(data)}
