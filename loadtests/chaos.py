@@ -16,6 +16,10 @@ reward service in either phase. The run goes on until at least ``--trajectories`
 and ``--steps`` steps are done, every kill has happened and one full round has run after the last
 restart.
 
+With ``--max-steps-off-policy K`` the run is asynchronous: each round's step trains while the next
+round samples from a replica that is never paused, and the trainer keeps trajectories at most K
+steps stale; the checks are the same.
+
 The agent retries a completion that fails while the replica is down (``art.retry`` on connection
 errors and 5xx). The replica listens on a fixed port, so a restarted one is found at the same URL.
 Timeouts are short so that redeliveries come within seconds: ack waits of 5-10 s, a pause lease of
@@ -106,6 +110,8 @@ class Config:
     base_model: str
     timeout_s: float
     output: Path
+    #: None: synchronous steps; K: asynchronous, trajectories at most K steps stale are trained.
+    max_steps_off_policy: int | None = None
 
 
 @dataclass
@@ -241,8 +247,39 @@ async def gather(model: art.TrainableModel, config: Config, workload: Workload) 
 async def agent(
     model: art.TrainableModel, config: Config, workload: Workload, chaos_done: asyncio.Event
 ) -> None:
-    """Rounds of rollouts and a training step until the run has done enough, after the chaos."""
+    """Rounds of rollouts and a training step until the run has done enough, after the chaos.
+
+    Synchronous mode: a round samples, then trains (the replica paused). Asynchronous mode
+    (``--max-steps-off-policy``): a round's step trains while the next round samples from the
+    replica, which is never paused; one step is in flight at a time, as the trainer takes
+    requests one at a time anyway.
+    """
+    overlapped = config.max_steps_off_policy is not None
+    training: asyncio.Task | None = None
     rounds_after_chaos = 0
+
+    async def train(groups: list[art.TrajectoryGroup], round_: int) -> None:
+        workload.enter("train")
+        started = time.monotonic()
+        try:
+            result = await model.train(
+                groups,
+                config=art.TrainConfig(learning_rate=config.learning_rate),
+                max_steps_off_policy=config.max_steps_off_policy,
+                timeout_s=600,
+            )
+        except Exception as exc:  # recorded: a failed step fails the run's checks
+            workload.train_failures.append(f"round {round_}: {exc!r}")
+        else:
+            workload.steps.append(result.step)
+            workload.train_s.append(time.monotonic() - started)
+        workload.enter("rollouts" if overlapped else "between")
+        print(
+            f"  round {round_}: {sum(len(g.trajectories) for g in groups)} trajectories, "
+            f"step {workload.steps[-1] if workload.steps else '-'}, t={workload.elapsed():.1f}s",
+            flush=True,
+        )
+
     while True:
         trajectories = sum(workload.published.values())
         if (
@@ -251,29 +288,21 @@ async def agent(
             and chaos_done.is_set()
             and rounds_after_chaos >= 1
         ):
-            return
+            break
         after_chaos = chaos_done.is_set()
         workload.round += 1
-        workload.enter("rollouts")
+        if training is None:  # while a step trains, the phase stays "train" for the kills
+            workload.enter("rollouts")
         groups = await gather(model, config, workload)
-        workload.enter("train")
-        started = time.monotonic()
-        try:
-            result = await model.train(
-                groups, config=art.TrainConfig(learning_rate=config.learning_rate), timeout_s=600
-            )
-        except Exception as exc:  # recorded: a failed step fails the run's checks
-            workload.train_failures.append(f"round {workload.round}: {exc!r}")
-        else:
-            workload.steps.append(result.step)
-            workload.train_s.append(time.monotonic() - started)
-        workload.enter("between")
-        print(
-            f"  round {workload.round}: {sum(len(g.trajectories) for g in groups)} trajectories, "
-            f"step {workload.steps[-1] if workload.steps else '-'}, t={workload.elapsed():.1f}s",
-            flush=True,
-        )
+        if training is not None:
+            await training
+        training = asyncio.create_task(train(groups, workload.round))
+        if not overlapped:
+            await training
+            training = None
         rounds_after_chaos += after_chaos
+    if training is not None:
+        await training
 
 
 # --- the chaos ------------------------------------------------------------------------------
@@ -529,6 +558,7 @@ async def run(config: Config, home: Path, kills_planned: list[PlannedKill]) -> d
             "seed": config.seed,
             "learning_rate": config.learning_rate,
             "base_model": config.base_model,
+            "max_steps_off_policy": config.max_steps_off_policy,
             "env": CHAOS_ENV,
             "rollout_retry": {"attempts": RETRY_ATTEMPTS, "delay_s": RETRY_DELAY_S, "backoff": RETRY_BACKOFF},
         },
@@ -605,7 +635,12 @@ def render(result: dict) -> str:
         [
             f"chaos: >= {c['min_trajectories']} trajectories, >= {c['min_steps']} steps, "
             f"{c['groups_per_step']} groups x {c['group_size']} rollouts a round, "
-            f"{c['kills_per_service']} kill(s) per service, seed {c['seed']}",
+            f"{c['kills_per_service']} kill(s) per service, seed {c['seed']}, "
+            + (
+                f"asynchronous (at most {c['max_steps_off_policy']} step(s) off policy)"
+                if c.get("max_steps_off_policy") is not None
+                else "synchronous"
+            ),
             f"machine: {result['machine']['cpu_count']} CPUs "
             f"(load {result['machine']['load_average_1m_before']} before); "
             f"stack up in {result['startup_s']:.1f} s, "
@@ -644,6 +679,12 @@ def parse_args(argv: list[str]) -> Config:
     parser.add_argument("--learning-rate", type=float, default=1e-2)
     parser.add_argument("--base-model", default=TINY, help=f"weights: a directory or {TINY} (default)")
     parser.add_argument("--timeout", type=float, default=900.0, help="longest the run may take, seconds")
+    parser.add_argument(
+        "--max-steps-off-policy",
+        type=int,
+        default=None,
+        help="asynchronous mode: train while the next round samples, at most this many steps off policy",
+    )
     parser.add_argument("--output", type=Path, default=RESULTS_DIR / "chaos.json", help="JSON result file")
     args = parser.parse_args(argv)
     if min(args.trajectories, args.steps, args.groups_per_step, args.group_size, args.kills_per_service) < 1:
@@ -662,6 +703,7 @@ def parse_args(argv: list[str]) -> Config:
         base_model=args.base_model,
         timeout_s=args.timeout,
         output=args.output,
+        max_steps_off_policy=args.max_steps_off_policy,
     )
 
 

@@ -1,4 +1,5 @@
-"""Chaos: every service SIGKILLed at random moments of a training run loses and doubles nothing.
+"""Chaos: every service SIGKILLed at random moments of a training run loses and doubles nothing,
+in synchronous and in asynchronous (off-policy) mode.
 
 The scenario (``loadtests/chaos.py``, ``make chaos``) runs here at its full scale: at least 512
 trajectories and 3 training steps through every service and an inference replica, each service
@@ -23,9 +24,14 @@ from tests.factories import register_trainable
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_chaos_every_service_killed_nothing_lost_training_resumes(tmp_path, capsys):
+@pytest.mark.parametrize(
+    "mode",
+    [[], ["--max-steps-off-policy", "1"]],
+    ids=["sync", "async"],  # async: steps train while the next round samples, never paused
+)
+def test_chaos_every_service_killed_nothing_lost_training_resumes(mode, tmp_path, capsys):
     output = tmp_path / "chaos.json"
-    returned = chaos.main(["--seed", "0", "--output", str(output)])
+    returned = chaos.main(["--seed", "0", "--output", str(output), *mode])
 
     result = json.loads(output.read_text())
     assert result == json.loads(json.dumps(returned))
@@ -34,6 +40,7 @@ def test_chaos_every_service_killed_nothing_lost_training_resumes(tmp_path, caps
     failed = [name for name, ok in result["checks"].items() if not ok]
     assert not failed, f"{failed}\n{printed[-4000:]}"
     assert result["ok"] is True
+    assert result["config"]["max_steps_off_policy"] == (1 if mode else None)
 
     details = result["details"]
     assert details["trajectories_stored"] == details["trajectories_published"] >= 512
