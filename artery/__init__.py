@@ -3,13 +3,20 @@
 Agents run in their own code; each finished rollout becomes a ``Trajectory`` with a reward,
 rollouts of one input form a ``TrajectoryGroup``, and ``model.publish(groups)`` hands them to
 the services (collector → reward → trainer).
+
+The ``artery`` folder is the SDK, the embedded stack and the ``artery`` command; the services,
+their plumbing and the wire contract install beside it as ``artery.services``,
+``artery.shared`` and ``artery.schemas`` from the top-level ``services/``, ``shared/`` and
+``schemas/`` folders (the README's "Repository layout" maps every folder).
 """
 
 from artery import dev, local, rewards, utils
 from artery.auto_trajectory import auto_trajectory, capture_auto_trajectory
-from artery.backend import Backend, LocalBackend, TrainingFailed, TrainResult
+from artery.backend import Backend
+from artery.backend_api import TrainingFailed, TrainResult
 from artery.batches import trajectory_group_batches
 from artery.gather import TooManyExceptions, gather_trajectories, gather_trajectory_groups
+from artery.local import LocalBackend
 from artery.model import Model, TrainableModel
 from artery.retry import retry
 from artery.schemas import RewardSpec, RulerSpec, TrainConfig, TrainSFTConfig

@@ -15,9 +15,9 @@ replays them instead of asking the generator again.
         num_training_inputs=16, generator_model="openai/gpt-4.1-mini", judge_model="openai/o4-mini",
     )
 
-:func:`generate_json` is the structured-generation machinery shared with ``artery.mcp``'s
-``generate_scenarios``: any litellm model (or an OpenAI-compatible ``base_url``), a JSON-schema
-response format, the answer checked, one re-ask on a bad answer, then :class:`GenerationError`.
+:func:`generate_json` (``artery.generation``, shared with ``artery.mcp``'s ``generate_scenarios``)
+asks any litellm model (or an OpenAI-compatible ``base_url``) for JSON of a schema, checks the
+answer, asks once again on a bad one, then raises :class:`GenerationError`.
 """
 
 from __future__ import annotations
@@ -29,102 +29,16 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
+from artery.generation import DEFAULT_GENERATOR_MODEL, counted_list, excerpt, generate_json
+from artery.generation import GenerationError as GenerationError  # where AutoRL's callers import it
 from artery.rewards.ruler import DEFAULT_RUBRIC, ruler_score_group
 from artery.schemas import RewardSpec, RulerSpec, TrainConfig
 from artery.trajectories import Trajectory, TrajectoryGroup
 
-T = TypeVar("T")
-
-DEFAULT_GENERATOR_MODEL = "openai/gpt-4.1-mini"
 #: Where the generated inputs of a run are kept, under ``model.directory``.
 INPUTS_FILE = "auto_rl_inputs.json"
-
-
-class GenerationError(ValueError):
-    """The generator's answer was unusable twice (malformed JSON, wrong shape or count)."""
-
-
-def _excerpt(text: str | None, limit: int = 300) -> str:
-    text = text or ""
-    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} chars)"
-
-
-async def generate_json(
-    messages: list[dict[str, Any]],
-    schema: dict[str, Any],
-    check: Callable[[Any], T],
-    *,
-    schema_name: str,
-    generator_model: str = DEFAULT_GENERATOR_MODEL,
-    generator_api_key: str | None = None,
-    generator_base_url: str | None = None,
-    extra_litellm_params: dict[str, Any] | None = None,
-    max_completion_tokens: int = 8000,
-    what: str = "answer",
-) -> T:
-    """Ask ``generator_model`` for JSON matching ``schema``; ``check`` turns it into the result.
-
-    ``check`` raises ``ValueError`` (or ``KeyError``/``TypeError``) saying what is wrong with a
-    parsed answer. A malformed or rejected answer is asked again once, with the reason; a second
-    bad answer raises :class:`GenerationError` naming the model, the reason and the answer's start.
-    Transport errors (connection refused, 401...) are litellm's own and are not retried here.
-    """
-    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no price-map download at import
-    import litellm
-
-    params: dict[str, Any] = {}
-    if generator_base_url:
-        params["api_base"] = generator_base_url
-    if generator_api_key:
-        params["api_key"] = generator_api_key
-    elif generator_base_url:
-        params["api_key"] = "none"  # an OpenAI-compatible server may need no key; litellm wants one
-    params.update(extra_litellm_params or {})
-    # model.litellm_completion_params() names the model too: it wins over generator_model.
-    generator_model = params.pop("model", generator_model)
-    if "max_tokens" in params:  # the caller's length limit, under either name, wins over ours
-        params["max_completion_tokens"] = params.pop("max_tokens")
-    conversation = list(messages)
-    reason = ""
-    content: str | None = None
-    for attempt in (1, 2):
-        response = await litellm.acompletion(
-            model=generator_model,
-            messages=conversation,
-            response_format={
-                "type": "json_schema",
-                "json_schema": {"name": schema_name, "schema": schema, "strict": True},
-            },
-            caching=False,
-            **{"max_completion_tokens": max_completion_tokens, **params},
-        )
-        content = response.choices[0].message.content
-        try:
-            if not content:
-                raise ValueError("the answer was empty")
-            try:
-                parsed = json.loads(content)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"the answer is not JSON ({exc.msg} at {exc.pos})") from None
-            return check(parsed)
-        except (ValueError, KeyError, TypeError) as exc:
-            reason = str(exc) or type(exc).__name__
-        if attempt == 1:
-            conversation = [
-                *messages,
-                {"role": "assistant", "content": content or ""},
-                {
-                    "role": "user",
-                    "content": f"That answer was rejected: {reason}. Answer again with only the JSON "
-                    "object the schema describes, fixing that.",
-                },
-            ]
-    raise GenerationError(
-        f"the generator {generator_model} gave no usable {what} after 2 attempts: {reason}; "
-        f"its last answer began {_excerpt(content)!r}"
-    )
 
 
 # ---------------------------------------------------------------- training inputs and system prompt
@@ -155,11 +69,7 @@ async def generate_training_inputs(
         raise ValueError("num_examples must be at least 1")
 
     def check(answer: Any) -> list[str]:
-        if not isinstance(answer, dict) or not isinstance(answer.get("inputs"), list):
-            raise ValueError('expected an object {"inputs": [<string>, ...]}')
-        inputs = answer["inputs"]
-        if len(inputs) != num_examples:
-            raise ValueError(f"expected exactly {num_examples} inputs, got {len(inputs)}")
+        inputs = counted_list(answer, "inputs", num_examples, "<string>")
         bad = [i for i, s in enumerate(inputs) if not isinstance(s, str) or not s.strip()]
         if bad:
             raise ValueError(f"inputs {bad[:5]} are not non-empty strings")
@@ -360,7 +270,7 @@ async def auto_rl(
         stored = AutoRLInputs.load(path)
         if stored.task_description != task_description:
             raise ValueError(
-                f"{path} holds the inputs of another task ({_excerpt(stored.task_description, 80)!r}); "
+                f"{path} holds the inputs of another task ({excerpt(stored.task_description, 80)!r}); "
                 "pass regenerate=True or another inputs_path"
             )
     if stored is not None:
@@ -395,7 +305,7 @@ async def auto_rl(
             judge_failures += 1
             if on_judge_failure == "raise":
                 raise
-            say(f"the judge could not score a group (dropped): {_excerpt(str(exc), 200)!r}")
+            say(f"the judge could not score a group (dropped): {excerpt(str(exc), 200)!r}")
             return None
 
     steps: list[dict[str, Any]] = []

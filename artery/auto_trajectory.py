@@ -44,6 +44,7 @@ from typing import Any, Literal, overload
 import msgspec
 
 from artery import convert
+from artery.completion_bodies import SSE_DONE, as_choice, choice_from_json, choice_from_sse
 from artery.trajectories import History, Trajectory
 
 __all__ = ["auto_trajectory", "capture_auto_trajectory"]
@@ -54,8 +55,6 @@ log = logging.getLogger(__name__)
 _SERVED_STEP = re.compile(r"@(\d+)$")
 #: The HTTP clients whose ``send`` a capture wraps, when installed.
 _HTTP_MODULES = ("httpx", "httpx2")
-#: The end of a server-sent event stream, at the start of a line.
-_SSE_DONE = re.compile(rb"(?:^|\n)data: ?\[DONE\]")
 
 
 @overload
@@ -138,14 +137,14 @@ class _Capture:
 
     def record(self, body: dict[str, Any], content: bytes, *, streamed: bool) -> None:
         try:
-            parsed = _choice_from_sse(content) if streamed else _choice_from_json(content)
+            parsed = choice_from_sse(content) if streamed else choice_from_json(content)
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             log.debug("auto_trajectory: a chat completion's response could not be read: %s", exc)
             return
         if parsed is None:
             return
         data, served = parsed
-        choice = _as_choice(data)
+        choice = as_choice(data)
         try:
             convert.to_message(choice)  # what publish() will do: refuse it now rather than then
         except (ValueError, msgspec.ValidationError) as exc:
@@ -229,91 +228,6 @@ def _promote_longest(trajectory: Trajectory) -> None:
     trajectory.tools, longest.tools = longest.tools, trajectory.tools
 
 
-# --------------------------------------------------------------------------- responses
-
-
-def _choice_from_json(content: bytes) -> tuple[dict[str, Any], str | None] | None:
-    payload = json.loads(content)
-    choices = payload.get("choices") or []
-    if not choices:
-        return None
-    return choices[0], payload.get("model")
-
-
-def _choice_from_sse(content: bytes) -> tuple[dict[str, Any], str | None] | None:
-    """The first choice of a streamed completion, put together from its chunks; ``None`` when
-    the stream never finished it."""
-    served: str | None = None
-    seen = False
-    role = "assistant"
-    text: list[str] = []
-    calls: dict[int, dict[str, Any]] = {}
-    entries: list[Any] = []
-    token_ids: list[int] = []
-    finish_reason: str | None = None
-    for line in content.decode("utf-8").splitlines():
-        if not line.startswith("data:"):
-            continue
-        data = line.removeprefix("data:").strip()
-        if data == "[DONE]":
-            break
-        chunk = json.loads(data)
-        served = chunk.get("model") or served
-        for choice in chunk.get("choices") or []:
-            if choice.get("index", 0) != 0:
-                continue
-            seen = True
-            delta = choice.get("delta") or {}
-            role = delta.get("role") or role
-            if delta.get("content"):
-                text.append(delta["content"])
-            for call in delta.get("tool_calls") or []:
-                _merge_tool_call(calls.setdefault(call.get("index", len(calls)), {}), call)
-            entries.extend((choice.get("logprobs") or {}).get("content") or [])
-            token_ids.extend(choice.get("token_ids") or [])
-            finish_reason = choice.get("finish_reason") or finish_reason
-    if not seen or finish_reason is None:
-        return None
-    message: dict[str, Any] = {"role": role, "content": "".join(text) if text or not calls else None}
-    if calls:
-        message["tool_calls"] = [calls[i] for i in sorted(calls)]
-    choice = {
-        "index": 0,
-        "message": message,
-        "finish_reason": finish_reason,
-        "logprobs": {"content": entries} if entries else None,
-    }
-    if token_ids:
-        choice["token_ids"] = token_ids
-    return choice, served
-
-
-def _merge_tool_call(into: dict[str, Any], delta: dict[str, Any]) -> None:
-    """OpenAI's streaming rule: ids and types are set once, names and arguments arrive in pieces."""
-    into.setdefault("id", "")
-    into.setdefault("type", "function")
-    function = into.setdefault("function", {"name": "", "arguments": ""})
-    if delta.get("id"):
-        into["id"] = delta["id"]
-    if delta.get("type"):
-        into["type"] = delta["type"]
-    piece = delta.get("function") or {}
-    function["name"] += piece.get("name") or ""
-    function["arguments"] += piece.get("arguments") or ""
-
-
-def _as_choice(data: dict[str, Any]) -> Any:
-    """An OpenAI ``Choice``, as ART records it (``token_ids`` stays, as an extra field)."""
-    try:
-        from openai.types.chat.chat_completion import Choice
-    except ImportError:
-        return data
-    try:
-        return Choice.model_validate(data)
-    except ValueError:  # pydantic's ValidationError: keep the dict, which convert reads as well
-        return data
-
-
 # --------------------------------------------------------------------------- httpx
 
 
@@ -334,7 +248,7 @@ def _tee_body(response: Any, streamed: bool, on_complete: Callable[[bytes], None
     def feed(part: bytes) -> None:
         start = max(0, len(buffer) - 16)
         buffer.extend(part)
-        if streamed and _SSE_DONE.search(buffer, start):
+        if streamed and SSE_DONE.search(buffer, start):
             hand_over()
 
     async def tee_aiter_bytes(chunk_size: int | None = None) -> AsyncIterator[bytes]:

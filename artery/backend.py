@@ -1,8 +1,9 @@
 """Backends: where a model's groups go and where its step is read.
 
 ``Backend(nats_url=...)`` joins a running Artery (``artery up`` or docker compose);
-``LocalBackend()`` first starts the embedded stack (NATS, PostgreSQL, every service) as child
-processes, like ART's ``LocalBackend``. Both have the same API.
+``LocalBackend()`` (``artery.local.backend``, ART's path for it) first starts the embedded stack
+(NATS, PostgreSQL, every service) as child processes, like ART's ``LocalBackend``. Both have the
+same API. What a model needs of a backend, and what a step returns, is ``artery.backend_api``.
 
 Traces: a backend sets up OpenTelemetry in the agent's process unless the application has (spans
 are exported to ``ARTERY_OTEL_ENDPOINT`` when set). Each group goes out in an
@@ -17,16 +18,14 @@ import asyncio
 import contextvars
 import functools
 import os
-import sys
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import msgspec
 import nats
 from opentelemetry import trace
 
+from artery.backend_api import TrainingFailed, TrainResult
 from artery.dev import train_config_fields
 from artery.schemas import (
     LoraSpec,
@@ -45,9 +44,8 @@ from artery.schemas import (
     utcnow,
 )
 from artery.shared import bus, subjects
-from artery.shared.auth import nats_connect_options, secret_value
+from artery.shared.auth import secret_value
 from artery.shared.control_client import live_replicas
-from artery.shared.embedded import free_port
 from artery.shared.permissions import provision_if_missing
 from artery.shared.registry import read_record
 from artery.shared.settings import CommonSettings
@@ -58,7 +56,6 @@ from artery.shared.tracing import (
     tracer,
 )
 from artery.shared.wakeup import woken_by
-from artery.stack import Stack
 from artery.trajectories import Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:
@@ -72,24 +69,6 @@ _tracer = tracer("artery.sdk")
 _RECHECK_S = 2.0
 #: Set by ``train()``: where ``publish`` notes the span of each submission.
 _submissions: contextvars.ContextVar[list | None] = contextvars.ContextVar("artery_submissions", default=None)
-
-
-@dataclass
-class TrainResult:
-    """What one training step returned: the new step (policy version) and its metrics."""
-
-    step: int
-    metrics: dict[str, float]
-    #: The trace of this step (``train()`` through trainer, publisher and adapter load).
-    trace_id: str | None = None
-
-
-class TrainingFailed(RuntimeError):
-    """The trainer answered ``train.failed``; ``retriable`` says whether asking again can help."""
-
-    def __init__(self, message: str, *, retriable: bool):
-        super().__init__(message)
-        self.retriable = retriable
 
 
 class Backend:
@@ -403,88 +382,3 @@ class Backend:
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
-
-
-class LocalBackend(Backend):
-    """Starts the embedded stack under ``path`` (default ``./.artery``) and connects to it.
-
-    ``secure=True``: every service runs as its own NATS user (``Stack(secure=True)``) and the
-    backend connects as ``agent-<project>``, so it may use ``project``'s subjects only.
-    """
-
-    def __init__(
-        self,
-        *,
-        in_process: bool = False,
-        path: str | os.PathLike | None = None,
-        gpu_cost_per_hour_usd: float | None = None,
-        services: tuple[str, ...] | None = None,
-        start_inference: bool = True,
-        inference_env: dict[str, str] | None = None,
-        secure: bool = False,
-        project: str | None = None,
-        engine: str | None = None,
-    ):
-        super().__init__(nats_url="nats://127.0.0.1:0")
-        if in_process:
-            # ART's in_process=True runs its trainer inside the caller; Artery's services are always
-            # their own processes (that is what lets each restart, scale and be traced alone).
-            raise ValueError("LocalBackend(in_process=True): Artery's services always run as processes")
-        #: ART's figure for cost metrics; kept for scripts that pass it (no GPU is priced on a CPU).
-        self.gpu_cost_per_hour_usd = gpu_cost_per_hour_usd
-        path = ".artery" if path is None else path
-        if secure != (project is not None):
-            raise ValueError("secure=True needs the project whose agent user the backend connects as")
-        self.path = Path(path)
-        self.project = project
-        self.stack = Stack(
-            home=self.path / "stack",
-            **({"services": services} if services else {}),
-            **({"secure": True, "projects": (project,)} if secure else {}),
-        )
-        if secure:  # its replicas serve requests that carry its project's key, and no other
-            key_file = str(self.stack.inference_key_file(project))
-            self.inference_api_key = secret_value(None, key_file, "ARTERY_INFERENCE_API_KEY")
-        #: Extra ``ARTERY_INFERENCE_*`` settings for the replicas it starts (engine, device...).
-        self.inference_env = dict(inference_env or {})
-        if engine is not None:  # "vllm": replicas run from .venv-vllm (make setup-vllm), see Stack
-            self.inference_env["ARTERY_INFERENCE_ENGINE"] = engine
-        self.start_inference = start_inference
-        self._started = False
-
-    async def _connect(self) -> nats.NATS:
-        if not self._started:
-            # Starting servers blocks for about a second: keep the event loop free meanwhile.
-            await asyncio.to_thread(self.stack.start)
-            if self.stack.console_url:  # where to watch the run: said once, like ART's W&B link
-                print(f"Artery console: {self.stack.console_url}", file=sys.stderr, flush=True)
-            self.settings = msgspec.structs.replace(self.settings, nats_url=self.stack.nats_url)
-            if self.project is not None:
-                self._nats_options = nats_connect_options(self.settings, self.stack.agent_env(self.project))
-            self._started = True
-        return await super()._connect()
-
-    async def _inference_url(self, model: Model, timeout_s: float = 180.0) -> str | None:
-        """Start this model's inference replica (once), then find it in the registry."""
-        name = f"inference-{model.project}-{model.name}"
-        if self.start_inference and name not in self.stack.processes:
-            env = {
-                **self.stack.replica_env(model.project, model.name, model.base_model),
-                "ARTERY_INFERENCE_REPLICA_ID": f"local-{model.project}-{model.name}",
-                # A fixed port: a replica restarted after a crash comes back where clients look.
-                "ARTERY_INFERENCE_PORT": str(free_port()),
-                **self.inference_env,
-            }
-            process = self.stack.start_service(name, service="inference", env=env)
-            await asyncio.to_thread(process.wait_ready, timeout_s)
-        return await super()._inference_url(model, timeout_s=timeout_s if self.start_inference else 0.0)
-
-    @property
-    def database_url(self) -> str | None:
-        return self.stack.database_url
-
-    async def close(self) -> None:
-        await super().close()
-        if self._started:
-            await asyncio.to_thread(self.stack.stop)
-            self._started = False

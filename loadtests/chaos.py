@@ -37,16 +37,17 @@ Checked at the end (each a line of the summary, all required for ``ok``):
   recorded);
 - no inference replica left paused: ``/health`` says ``ok`` and the registry says not paused;
 - nothing dead-lettered, no rollout given up.
+
+Long module: one scenario, read top to bottom: the kill schedule, the agent, the kills, the checks
+afterwards, the result and its table. What every benchmark shares is ``loadtests/harness.py``.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import datetime as dt
 import json
 import random
-import signal
 import socket
 import statistics
 import sys
@@ -67,9 +68,8 @@ from artery.shared import subjects
 from artery.shared.control_client import live_replicas
 from artery.shared.models import TINY
 from artery.testing.agents import half_alphabet_rollout
-from loadtests import RESULTS_DIR
-from loadtests.inference import table
-from loadtests.report import load_average, machine, report
+from loadtests import harness
+from loadtests.harness import argv_of, load_average, machine, report, stopping, table
 
 PROJECT = "chaos"
 MODEL = "agent"
@@ -507,7 +507,7 @@ async def run(config: Config, home: Path, kills_planned: list[PlannedKill]) -> d
     model = art.TrainableModel(name=MODEL, project=PROJECT, base_model=config.base_model, base_path=str(home))
     chaos_done = asyncio.Event()
     kills: list[Kill] = []
-    try:
+    async with stopping(backend):
         started = time.monotonic()
         await model.register(backend)  # starts the stack and the replica
         startup_s = time.monotonic() - started
@@ -534,16 +534,6 @@ async def run(config: Config, home: Path, kills_planned: list[PlannedKill]) -> d
         checks, details = await verify(
             backend, model, workload, kills, float(CHAOS_ENV["ARTERY_TRAINER_PAUSE_LEASE_S"])
         )
-    except BaseException:
-        for name, process in backend.stack.processes.items():
-            tail = "\n".join(process.log_path.read_text(errors="replace").splitlines()[-15:])
-            print(f"{name} log (last lines):\n{tail}", file=sys.stderr)
-        raise
-    finally:
-        for process in backend.stack.processes.values():
-            process.signal(signal.SIGTERM)  # every service drains at once
-        await backend.close()
-        await asyncio.to_thread(backend.stack.stop)
     return {
         "benchmark": "chaos",
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
@@ -667,7 +657,7 @@ def render(result: dict) -> str:
 
 
 def parse_args(argv: list[str]) -> Config:
-    parser = argparse.ArgumentParser(prog="python -m loadtests.chaos", description=__doc__.splitlines()[0])
+    parser = harness.parser("chaos", __doc__, prog="python -m loadtests.chaos")
     parser.add_argument("--trajectories", type=int, default=512, help="at least this many (default 512)")
     parser.add_argument("--steps", type=int, default=3, help="at least this many training steps (default 3)")
     parser.add_argument("--groups-per-step", type=int, default=8)
@@ -685,7 +675,6 @@ def parse_args(argv: list[str]) -> Config:
         default=None,
         help="asynchronous mode: train while the next round samples, at most this many steps off policy",
     )
-    parser.add_argument("--output", type=Path, default=RESULTS_DIR / "chaos.json", help="JSON result file")
     args = parser.parse_args(argv)
     if min(args.trajectories, args.steps, args.groups_per_step, args.group_size, args.kills_per_service) < 1:
         parser.error("--trajectories, --steps, --groups-per-step, --group-size, --kills-per-service: >= 1")
@@ -708,7 +697,7 @@ def parse_args(argv: list[str]) -> Config:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    config = parse_args(list(sys.argv[1:] if argv is None else argv))
+    config = parse_args(argv_of(argv))
     kills = plan(config)
     print(render_schedule(kills, config.seed), flush=True)
     with tempfile.TemporaryDirectory(prefix="artery-chaos-") as home:

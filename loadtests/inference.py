@@ -31,11 +31,14 @@ each part used are reported, with what other processes on the machine used meanw
 every core for each forward pass unless ``--threads`` says otherwise (``OMP_NUM_THREADS`` for the
 replicas, ``torch.set_num_threads`` here): with a small model on a machine that other work
 shares, threads that wait on each other are the first thing to slow down.
+
+Long module: one benchmark, read top to bottom: throughput against two baselines, pause and resume,
+adapter loading, and the vLLM comparison, then the result and its table. What every benchmark
+shares is ``loadtests/harness.py``.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import datetime as dt
@@ -61,15 +64,23 @@ from artery.shared.embedded import stop_process
 from artery.shared.models import SMOLLM2, TINY, resolve_base_model
 from artery.shared.settings import CommonSettings
 from artery.stack import Stack
-from loadtests import RESULTS_DIR
-from loadtests.ingest import CpuMeter, percentile
-from loadtests.report import load_average, machine, report
+from loadtests import harness
+from loadtests.harness import (
+    STOP_TIMEOUT_S,
+    CpuMeter,
+    argv_of,
+    load_average,
+    machine,
+    report,
+    summary_ms,
+    table,
+    tail,
+)
 
 PROJECT = "bench"
 MODEL = "infer"
 REPLICAS = ("replica-a", "replica-b")
 POLL_S = 0.01
-STOP_TIMEOUT_S = 3.0
 #: Warn when processes outside the benchmark took more than this share of the machine.
 OTHER_LOAD_WARNING = 0.1
 DEFAULTS = {"rounds": 20, "pause_cycles": 30, "loaded_pauses": 5, "adapter_steps": 5}
@@ -103,17 +114,6 @@ def prompts(count: int) -> list[list[dict[str, str]]]:
         ]
         for i in range(count)
     ]
-
-
-def summary_ms(seconds: list[float]) -> dict[str, float]:
-    ms = [s * 1000 for s in seconds]
-    return {
-        "n": len(ms),
-        "min": round(min(ms), 2),
-        "p50": round(percentile(ms, 50), 2),
-        "p99": round(percentile(ms, 99), 2),
-        "max": round(max(ms), 2),
-    }
 
 
 # --- throughput -----------------------------------------------------------------------------
@@ -473,14 +473,6 @@ def _ratio(measured: dict, name: str, key: str) -> float:
     return round(measured[name][key] / measured["hf_generate"][key], 3)
 
 
-def table(rows: list[tuple[str, ...]], right: set[int]) -> list[str]:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return [
-        "  ".join(v.rjust(widths[i]) if i in right else v.ljust(widths[i]) for i, v in enumerate(r)).rstrip()
-        for r in rows
-    ]
-
-
 def _ms(s: dict) -> tuple[str, str, str]:
     return f"{s['p50']:,.1f}", f"{s['p99']:,.1f}", f"{s['max']:,.1f}"
 
@@ -697,9 +689,8 @@ def vllm_vs_serve(base_model: str, concurrency: int, rounds: int, max_tokens: in
             figures = asyncio.run(_compare_vllm(urls, concurrency, rounds, max_tokens))
         except BaseException:
             for log in (stack.logs / "replica-vllm.log", Path(home) / "vllm-serve.log"):
-                if log.exists():
-                    tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
-                    print(f"{log.name} (last lines):\n{tail}", file=sys.stderr)
+                if lines := tail(log, 15):
+                    print(f"{log.name} (last lines):\n{lines}", file=sys.stderr)
             raise
         finally:
             if server is not None:
@@ -738,9 +729,7 @@ class VllmComparison:
 
 
 def parse_args(argv: list[str]) -> Config | VllmComparison:
-    parser = argparse.ArgumentParser(
-        prog="python -m loadtests inference", description=__doc__.splitlines()[0]
-    )
+    parser = harness.parser("inference", __doc__)
     parser.add_argument("--base-model", help=f"weights: a directory or {TINY} (default)")
     parser.add_argument("--concurrency", type=int, help="requests sent at once (and batch size; default 16)")
     parser.add_argument("--rounds", type=int, help=f"timed rounds (default {DEFAULTS['rounds']})")
@@ -758,9 +747,6 @@ def parse_args(argv: list[str]) -> Config | VllmComparison:
         help="only this: Artery's replica on the vLLM engine (.venv-vllm, `make setup-vllm`) against "
         "vLLM's own OpenAI server from the same venv, on --base-model (default SmolLM2-135M-Instruct), "
         "--concurrency chats (default 32), --rounds (default 5); adds vllm_vs_vllm_serve to --output",
-    )
-    parser.add_argument(
-        "--output", type=Path, default=RESULTS_DIR / "inference.json", help="JSON result file"
     )
     args = parser.parse_args(argv)
     if args.vllm_vs_serve:
@@ -811,7 +797,7 @@ def stop_all(stack: Stack) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    config = parse_args(list(sys.argv[1:] if argv is None else argv))
+    config = parse_args(argv_of(argv))
     if isinstance(config, VllmComparison):
         return vllm_vs_serve(
             config.base_model, config.concurrency, config.rounds, config.max_tokens, config.output
@@ -830,10 +816,8 @@ def main(argv: list[str] | None = None) -> dict:
             result = asyncio.run(run(config, stack, baseline, adapter))
         except BaseException:
             for name in REPLICAS:
-                log = stack.logs / f"{name}.log"
-                if log.exists():
-                    tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
-                    print(f"{name} log (last lines):\n{tail}", file=sys.stderr)
+                if lines := tail(stack.logs / f"{name}.log", 15):
+                    print(f"{name} log (last lines):\n{lines}", file=sys.stderr)
             raise
         finally:
             stop_all(stack)

@@ -24,19 +24,16 @@ under a saturating burst (everything published as fast as the broker acks it), s
 time a group waits in the stream behind the groups published before it.
 
 Collector settings come from the environment (``ARTERY_COLLECTOR_*``), as for the service itself.
+
+Long module: one benchmark, read top to bottom: its payloads, the three measurements (raw, end to end,
+light load), the result and its table. What every benchmark shares is ``loadtests/harness.py``.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import datetime as dt
-import os
-import random
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,17 +43,28 @@ import msgspec
 import nats
 from nats.js.api import RetentionPolicy, StorageType, StreamConfig
 
-from artery.schemas import Message, Sample, Trajectory, TrajectoryGroupSubmitted, new_event_id
+from artery.schemas import TrajectoryGroupSubmitted
 from artery.services.collector.settings import PREFIX as COLLECTOR_PREFIX
 from artery.services.collector.settings import CollectorSettings
 from artery.shared import subjects
 from artery.shared.bus import DUPLICATE_WINDOW_S, event_headers
 from artery.shared.codec import encode
-from artery.shared.embedded import nats_server_binary, postgres_bin_dir
+from artery.shared.embedded import nats_server_binary
 from artery.shared.settings import load
-from artery.stack import ServiceProcess, Stack
-from loadtests import RESULTS_DIR
-from loadtests.report import load_average, machine, report
+from artery.stack import Stack
+from loadtests import harness
+from loadtests.harness import (
+    CpuMeter,
+    argv_of,
+    collector_stack,
+    load_average,
+    machine,
+    percentile,
+    report,
+    table,
+    tail,
+    version,
+)
 
 PROJECT = "bench"
 MODEL = "ingest"
@@ -78,7 +86,6 @@ DEFAULT_LIGHT_GROUPS = 50
 LIGHT_INTERVAL_S = 0.05
 QUICK_GROUPS = 20
 QUICK_WARMUP_GROUPS = 5
-STOP_TIMEOUT_S = 3.0
 #: Warn when processes outside the benchmark took more than this share of the machine.
 OTHER_LOAD_WARNING = 0.1
 
@@ -86,31 +93,8 @@ OTHER_LOAD_WARNING = 0.1
 # --- payloads -------------------------------------------------------------------------------
 
 
-def build_trajectory(rng: random.Random, reward: float, turns: int = 5) -> Trajectory:
-    """About 2 KB with 10 messages: a system prompt, then user/assistant turns with samples."""
-    messages = [Message(role="system", content="You are a careful assistant. " * 4)]
-    for turn in range(turns):
-        messages.append(Message(role="user", content=f"Question {turn}: what is {rng.randint(1, 99)} + 7?"))
-        ids = [rng.randrange(1000) for _ in range(12)]
-        messages.append(
-            Message(
-                role="assistant",
-                content=f"<answer>{rng.randint(1, 120)}</answer>",
-                sample=Sample(token_ids=ids, logprobs=[-rng.random() for _ in ids], finish_reason="stop"),
-            )
-        )
-    return Trajectory(messages=messages[: 2 * turns], reward=reward, metrics={"turns": turns})
-
-
 def build_group(model: str, size: int, seed: int) -> TrajectoryGroupSubmitted:
-    rng = random.Random(seed)
-    return TrajectoryGroupSubmitted(
-        id=new_event_id(),
-        project=PROJECT,
-        model=model,
-        trajectories=[build_trajectory(rng, reward=i / size) for i in range(size)],
-        metadata={"bench_seed": seed},
-    )
+    return harness.build_group(PROJECT, model, size, seed, metadata={"bench_seed": seed})
 
 
 @dataclass(frozen=True)
@@ -130,13 +114,6 @@ def build_payloads(model: str, groups: int, size: int, seed: int) -> list[Payloa
 
 
 # --- measurements ---------------------------------------------------------------------------
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in 0..100)."""
-    ordered = sorted(values)
-    rank = max(1, min(len(ordered), round(q / 100 * len(ordered) + 0.5)))
-    return ordered[rank - 1]
 
 
 RAW_STREAM_CONFIG = StreamConfig(
@@ -273,7 +250,7 @@ async def wait_for_collector(nc: nats.NATS, stack: Stack, timeout_s: float = 60.
     while True:
         for process in stack.processes.values():
             if not process.running:
-                raise RuntimeError(f"the collector exited; see {process.log_path}\n{_tail(process.log_path)}")
+                raise RuntimeError(f"the collector exited; see {process.log_path}\n{tail(process.log_path)}")
         try:
             await js.consumer_info(subjects.TRAJECTORIES.name, subjects.COLLECTOR_CONSUMER)
             return
@@ -281,74 +258,6 @@ async def wait_for_collector(nc: nats.NATS, stack: Stack, timeout_s: float = 60.
             if time.monotonic() > deadline:
                 raise TimeoutError(f"collector not consuming after {timeout_s}s") from None
             await asyncio.sleep(0.05)
-
-
-def _tail(path: Path, lines: int = 20) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
-
-
-def _proc_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of one process (Linux ``/proc``); 0 where unreadable."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    out.append(int(entry.name))
-            except (OSError, IndexError, ValueError):
-                continue
-    return out
-
-
-class CpuMeter:
-    """CPU seconds spent by each part of the run (benchmark client, nats-server, collector,
-    PostgreSQL with its backends) between two snapshots: where a 2-core machine's time goes."""
-
-    def __init__(self, stack: Stack):
-        self.parts: dict[str, list[int]] = {"benchmark": [os.getpid()]}
-        if stack.nats and stack.nats.proc:
-            self.parts["nats-server"] = [stack.nats.proc.pid]
-        for process in stack.processes.values():  # replicas of a service count together
-            if process.proc:
-                service = getattr(process, "service", "") or process.name
-                self.parts.setdefault(service, []).append(process.proc.pid)
-        self.postgres_pid = stack.postgres.proc.pid if stack.postgres and stack.postgres.proc else None
-
-    def snapshot(self) -> dict[str, float]:
-        parts = dict(self.parts)
-        if self.postgres_pid:
-            parts["postgres"] = [self.postgres_pid, *_children(self.postgres_pid)]
-        out = {name: sum(_proc_cpu_s(pid) for pid in pids) for name, pids in parts.items()}
-        out["machine"] = _machine_busy_s()
-        return out
-
-    @staticmethod
-    def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-        """CPU seconds per part; ``other`` is what the rest of the machine used meanwhile."""
-        out = {k: after[k] - before.get(k, 0.0) for k in after if k != "machine"}
-        out["other"] = max(0.0, after["machine"] - before["machine"] - sum(out.values()))
-        return {k: round(v, 2) for k, v in out.items()}
-
-
-def _machine_busy_s() -> float:
-    """CPU seconds the whole machine spent busy (all cores, everything but idle and iowait)."""
-    try:
-        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    except (OSError, ValueError):
-        return 0.0
-    busy = sum(fields[:8]) - fields[3] - fields[4]  # user..steal, less idle and iowait
-    return busy / os.sysconf("SC_CLK_TCK")
 
 
 # --- the run --------------------------------------------------------------------------------
@@ -421,7 +330,7 @@ async def run(config: Config, stack: Stack) -> dict:
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "machine": machine(
             load_before,
-            nats_server=_version([nats_server_binary(), "--version"]),
+            nats_server=version([nats_server_binary(), "--version"]),
             postgres=pg["version"],
         ),
         "durability": {
@@ -497,21 +406,6 @@ async def run(config: Config, stack: Stack) -> dict:
         },
     }
     return result
-
-
-def _version(cmd: list[str]) -> str:
-    try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-def _table(rows: list[tuple[str, ...]], right: set[int]) -> list[str]:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return [
-        "  ".join(v.rjust(widths[i]) if i in right else v.ljust(widths[i]) for i, v in enumerate(r)).rstrip()
-        for r in rows
-    ]
 
 
 def render(result: dict) -> str:
@@ -601,18 +495,18 @@ def render(result: dict) -> str:
             f"synchronous_commit={d['postgres_synchronous_commit']}); "
             f"JetStream {d['jetstream_storage']} store",
             "",
-            *_table(figures, right={1, 2}),
+            *table(figures, right={1, 2}),
             "",
             f"CPU seconds (one raw run | end to end): {cpu}",
             "",
             *warning,
-            *_table(goal_rows, right={1, 2}),
+            *table(goal_rows, right={1, 2}),
         ]
     )
 
 
 def parse_args(argv: list[str]) -> Config:
-    parser = argparse.ArgumentParser(prog="python -m loadtests ingest", description=__doc__.splitlines()[0])
+    parser = harness.parser("ingest", __doc__)
     parser.add_argument("--groups", type=int, help=f"groups measured (default {DEFAULT_GROUPS})")
     parser.add_argument("--group-size", type=int, default=DEFAULT_GROUP_SIZE, help="trajectories a group")
     parser.add_argument("--warmup-groups", type=int, help=f"default {DEFAULT_WARMUP_GROUPS}")
@@ -639,7 +533,6 @@ def parse_args(argv: list[str]) -> Config:
         help="PostgreSQL with fsync off (default: durable)",
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output", type=Path, default=RESULTS_DIR / "ingest.json", help="JSON result file")
     args = parser.parse_args(argv)
     groups = args.groups or (QUICK_GROUPS if args.quick else DEFAULT_GROUPS)
     warmup = args.warmup_groups
@@ -674,28 +567,9 @@ def parse_args(argv: list[str]) -> Config:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    config = parse_args(list(sys.argv[1:] if argv is None else argv))
-    with tempfile.TemporaryDirectory(prefix="artery-bench-") as home:
-        stack = Stack(home=Path(home), services=("collector",), durable=config.durable)
-        postgres_bin_dir()  # fail early, with the package's message, when PostgreSQL is missing
-        try:
-            stack.start()
-            for i in range(2, config.collectors + 1):  # replicas share the durable consumer
-                replica = ServiceProcess("collector", stack.service_env(), stack.logs / f"collector-{i}.log")
-                replica.start()
-                stack.processes[f"collector-{i}"] = replica
-                replica.wait_ready()
-            result = asyncio.run(run(config, stack))
-        except BaseException:
-            log = stack.logs / "collector.log"
-            print(f"collector log (last lines):\n{_tail(log)}", file=sys.stderr)
-            raise
-        finally:
-            # Rows are verified by now: a collector slow to exit on SIGTERM is killed after a few
-            # seconds rather than waited for.
-            for process in stack.processes.values():
-                process.stop(timeout=STOP_TIMEOUT_S)
-            stack.stop()
+    config = parse_args(argv_of(argv))
+    with collector_stack(config.durable, config.collectors) as stack:
+        result = asyncio.run(run(config, stack))
     return report(result, render, config.output)
 
 

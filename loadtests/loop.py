@@ -31,17 +31,17 @@ trainer reports (pause, training, save). ``--warmup`` iterations run first and a
 Then the same amount of work runs asynchronously, through ART's ``PipelineTrainer`` (rollouts go on
 while the trainer trains, at most one step off policy), and ``modes`` compares the two: rollouts
 and steps per second, and the share of wall time in which neither generation nor training computed.
+
+Long module: one benchmark, read top to bottom: the timed backend, the synchronous and asynchronous
+modes, the result and its table. What every benchmark shares is ``loadtests/harness.py``.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import datetime as dt
 import itertools
-import signal
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -50,13 +50,13 @@ from pathlib import Path
 import nats
 
 import artery as art
-from artery.pipeline_trainer import PipelineTrainer, make_group_rollout_fn
+from artery.pipeline_trainer import make_group_rollout_fn
+from artery.pipeline_trainer.presets import one_step_ahead
 from artery.shared import subjects
 from artery.shared.models import TINY
 from artery.testing.tasks import half_alphabet_reward, half_alphabet_task_prompt
-from loadtests import RESULTS_DIR
-from loadtests.inference import table
-from loadtests.report import load_average, machine, report
+from loadtests import harness
+from loadtests.harness import argv_of, load_average, machine, report, stopping, table
 
 PROJECT = "bench"
 MODEL = "loop"
@@ -145,20 +145,15 @@ async def async_mode(model: art.TrainableModel, backend: TimedBackend, config: C
         rollouts.append((begun, time.perf_counter()))
         return trajectory
 
-    trainer = PipelineTrainer(
+    trainer = one_step_ahead(
         model,
         backend,
         make_group_rollout_fn(timed, n=config.group_size),
         itertools.count(),
-        None,
-        num_rollout_workers=2 * config.groups,  # the next step's groups are sampled during this one
-        min_batch_size=config.groups,
-        max_batch_size=config.groups,
-        max_steps_off_policy=1,
+        groups=config.groups,
         learning_rate=config.learning_rate,
         max_steps=config.iterations,
         log_interval_seconds=3600,
-        resume=False,
     )
     first_training = len(backend.training_intervals)
     started = time.perf_counter()
@@ -272,27 +267,19 @@ async def run(config: Config, home: Path) -> dict:
         name=MODEL, project=PROJECT, base_model=config.base_model, base_path=str(home / "artery")
     )
     clock = CompletionClock()
-    try:
-        started = time.perf_counter()
-        await model.register(backend)  # starts the stack and the model's replica
-        startup_s = time.perf_counter() - started
-        await clock.start(backend.stack.nats_url)
-        backend.clock = clock
-        for _ in range(config.warmup):
-            await iteration(model, backend, clock, config)
-        measured = [await iteration(model, backend, clock, config) for _ in range(config.iterations)]
-        modes = {"sync": sync_mode(measured, config), "async": await async_mode(model, backend, config)}
-    except BaseException:
-        for name, process in backend.stack.processes.items():
-            tail = "\n".join(process.log_path.read_text(errors="replace").splitlines()[-10:])
-            print(f"{name} log (last lines):\n{tail}", file=sys.stderr)
-        raise
-    finally:
-        await clock.close()
-        for process in backend.stack.processes.values():
-            process.signal(signal.SIGTERM)  # every service drains at once, not one after the other
-        await backend.close()
-        await asyncio.to_thread(backend.stack.stop)  # also after a start that failed half-way
+    async with stopping(backend, log_lines=10):
+        try:
+            started = time.perf_counter()
+            await model.register(backend)  # starts the stack and the model's replica
+            startup_s = time.perf_counter() - started
+            await clock.start(backend.stack.nats_url)
+            backend.clock = clock
+            for _ in range(config.warmup):
+                await iteration(model, backend, clock, config)
+            measured = [await iteration(model, backend, clock, config) for _ in range(config.iterations)]
+            modes = {"sync": sync_mode(measured, config), "async": await async_mode(model, backend, config)}
+        finally:
+            await clock.close()
     means = {k: statistics.fmean(it[k] for it in measured) for k in (*PARTS, "train_call", "rest", "total")}
     return {
         "benchmark": "loop",
@@ -407,7 +394,7 @@ def render(result: dict) -> str:
 
 
 def parse_args(argv: list[str]) -> Config:
-    parser = argparse.ArgumentParser(prog="python -m loadtests loop", description=__doc__.splitlines()[0])
+    parser = harness.parser("loop", __doc__)
     parser.add_argument("--base-model", default=TINY, help=f"weights: a directory or {TINY} (default)")
     parser.add_argument("--iterations", type=int, help=f"measured iterations (default {DEFAULT_ITERATIONS})")
     parser.add_argument("--warmup", type=int, help="iterations run first, not counted (default 1, quick 0)")
@@ -415,7 +402,6 @@ def parse_args(argv: list[str]) -> Config:
     parser.add_argument("--group-size", type=int, default=8, help="rollouts a group")
     parser.add_argument("--learning-rate", type=float, default=1e-2)
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_ITERATIONS} iterations: a smoke test")
-    parser.add_argument("--output", type=Path, default=RESULTS_DIR / "loop.json", help="JSON result file")
     args = parser.parse_args(argv)
     iterations = args.iterations or (QUICK_ITERATIONS if args.quick else DEFAULT_ITERATIONS)
     warmup = args.warmup if args.warmup is not None else (0 if args.quick else 1)
@@ -434,7 +420,7 @@ def parse_args(argv: list[str]) -> Config:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    config = parse_args(list(sys.argv[1:] if argv is None else argv))
+    config = parse_args(argv_of(argv))
     with tempfile.TemporaryDirectory(prefix="artery-bench-") as home:
         result = asyncio.run(run(config, Path(home)))
     return report(result, render, config.output)

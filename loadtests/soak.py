@@ -22,18 +22,18 @@ filled), the least-squares trend of the collector's RSS grows it by less than
 Each group is encoded once as a template (a few templates in turn); a published copy gets a new
 event id and the current time, so every group is distinct and ``submitted_at`` is real (the
 database's ``stored_at - submitted_at`` is reported beside the client-side latency).
+
+Long module: one scenario, read top to bottom: the paced load, the sampling, the memory verdict, the
+result and its table. What every benchmark shares is ``loadtests/harness.py``.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import collections
 import contextlib
 import datetime as dt
 import statistics
-import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,23 +46,27 @@ from artery.schemas import new_event_id, utcnow
 from artery.shared import subjects
 from artery.shared.bus import MSG_ID, event_headers
 from artery.shared.codec import encode
-from artery.shared.embedded import postgres_bin_dir
 from artery.stack import Stack
-from loadtests import RESULTS_DIR
-from loadtests.inference import table
+from loadtests import harness
+from loadtests.harness import (
+    argv_of,
+    collector_stack,
+    load_average,
+    machine,
+    percentile,
+    proc_cpu_s,
+    report,
+    table,
+)
 from loadtests.ingest import (
     PROJECT,
     Payload,
-    _proc_cpu_s,
     _ReadyId,
-    _tail,
     build_group,
     count_rows,
-    percentile,
     publish_end_to_end,
     wait_for_collector,
 )
-from loadtests.report import load_average, machine, report
 
 MODEL = "soak"
 PROBE_MODEL = "soak-probe"
@@ -76,7 +80,6 @@ TEMPLATES = 16
 #: Flat memory: over the second half, trend growth below 5 % of the mean and max/min below 1.10.
 MEMORY_GROWTH_LIMIT = 0.05
 MEMORY_RATIO_LIMIT = 1.10
-STOP_TIMEOUT_S = 3.0
 
 
 @dataclass
@@ -253,7 +256,7 @@ class Steady:
         self._settle_acks()
 
     async def sample(self, started: float, collector_pid: int, samples: list[dict]) -> None:
-        last_t, last_pub, last_ready, last_cpu = 0.0, 0, 0, _proc_cpu_s(collector_pid)
+        last_t, last_pub, last_ready, last_cpu = 0.0, 0, 0, proc_cpu_s(collector_pid)
         size = self.config.group_size
         k = 1
         while k * self.config.interval_s <= self.config.duration_s + 1e-6:  # one sample a window
@@ -261,7 +264,7 @@ class Steady:
             k += 1
             t = time.perf_counter() - started
             window, self.window = self.window, []
-            cpu = _proc_cpu_s(collector_pid)
+            cpu = proc_cpu_s(collector_pid)
             dt_s = max(t - last_t, 1e-9)
             row = {
                 "t_s": round(t, 2),
@@ -468,7 +471,7 @@ def render(result: dict) -> str:
 
 
 def parse_args(argv: list[str]) -> Config:
-    parser = argparse.ArgumentParser(prog="python -m loadtests.soak", description=__doc__.splitlines()[0])
+    parser = harness.parser("soak", __doc__, prog="python -m loadtests.soak")
     parser.add_argument("--duration", type=float, default=DEFAULT_DURATION_S, help="seconds of steady load")
     parser.add_argument("--interval", type=float, default=DEFAULT_INTERVAL_S, help="seconds between samples")
     parser.add_argument("--load", type=float, default=DEFAULT_LOAD, help="share of the maximum rate to hold")
@@ -481,7 +484,6 @@ def parse_args(argv: list[str]) -> Config:
         "--no-durable", dest="durable", action="store_false", help="PostgreSQL with fsync off"
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output", type=Path, default=RESULTS_DIR / "soak.json", help="JSON result file")
     args = parser.parse_args(argv)
     if args.duration <= 0 or args.interval <= 0 or not 0 < args.load <= 1:
         parser.error("--duration and --interval must be positive, --load in (0, 1]")
@@ -503,20 +505,9 @@ def parse_args(argv: list[str]) -> Config:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    config = parse_args(list(sys.argv[1:] if argv is None else argv))
-    with tempfile.TemporaryDirectory(prefix="artery-soak-") as home:
-        stack = Stack(home=Path(home), services=("collector",), durable=config.durable)
-        postgres_bin_dir()  # fail early, with the package's message, when PostgreSQL is missing
-        try:
-            stack.start()
-            result = asyncio.run(run(config, stack))
-        except BaseException:
-            print(f"collector log (last lines):\n{_tail(stack.logs / 'collector.log')}", file=sys.stderr)
-            raise
-        finally:
-            for process in stack.processes.values():
-                process.stop(timeout=STOP_TIMEOUT_S)
-            stack.stop()
+    config = parse_args(argv_of(argv))
+    with collector_stack(config.durable, prefix="artery-soak-") as stack:
+        result = asyncio.run(run(config, stack))
     return report(result, render, config.output)
 
 

@@ -34,6 +34,9 @@ its own and unmapped when freed, so that the arenas never hold activations, at t
 fault per page each time); ``micro_batch_4`` (micro-batches of 4, the trainer's ``micro_batch_size``
 setting); ``activation_checkpointing`` (transformers' gradient checkpointing on the decoder layers,
 recomputed in backward: not something the trainer does, a measure of the decoder's share).
+
+Long module: one benchmark, read top to bottom: the memory probes, the scenarios (each in a child
+process), the result and its table. What every benchmark shares is ``loadtests/harness.py``.
 """
 
 from __future__ import annotations
@@ -58,8 +61,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from loadtests import RESULTS_DIR
-from loadtests.report import load_average, machine, report
+from loadtests import harness
+from loadtests.harness import argv_of, load_average, machine, report, table
 
 MIB = 1 << 20
 #: What the demo's rollouts look like: prompts, answer length and rewards per group.
@@ -427,7 +430,7 @@ def median(values: list[float]) -> float:
 
 def render(result: dict[str, Any]) -> str:
     c, m = result["config"], result["machine"]
-    table = [
+    figures = [
         (
             "scenario",
             "baseline",
@@ -445,7 +448,7 @@ def render(result: dict[str, Any]) -> str:
     ]
     for name, s in result["summary"].items():
         saved = result["scenarios"][name]["torch"]["saved_for_backward_mib"]
-        table.append(
+        figures.append(
             (
                 name,
                 f"{s['baseline_rss_mib']:.0f}",
@@ -480,23 +483,13 @@ def render(result: dict[str, Any]) -> str:
             f"MiB; RSS after import {first['after_import']['rss_mib']:.0f}, after Policy.create "
             f"{first['after_create']['rss_mib']:.0f}",
             "",
-            *_table(table, right=set(range(1, len(table[0])))),
+            *table(figures, right=set(range(1, len(figures[0])))),
         ]
     )
 
 
-def _table(rows: list[tuple[str, ...]], right: set[int]) -> list[str]:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return [
-        "  ".join(v.rjust(widths[i]) if i in right else v.ljust(widths[i]) for i, v in enumerate(r)).rstrip()
-        for r in rows
-    ]
-
-
 def parse_args(argv: list[str]) -> tuple[Config, argparse.Namespace]:
-    parser = argparse.ArgumentParser(
-        prog="python -m loadtests trainer_memory", description=__doc__.splitlines()[0]
-    )
+    parser = harness.parser("trainer_memory", __doc__)
     parser.add_argument("--steps", type=int, help="training steps per scenario (default 3; quick 1)")
     parser.add_argument(
         "--scenarios",
@@ -506,9 +499,6 @@ def parse_args(argv: list[str]) -> tuple[Config, argparse.Namespace]:
     )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default 0: torch's own)")
     parser.add_argument("--quick", action="store_true", help="one step of one scenario: a smoke test")
-    parser.add_argument(
-        "--output", type=Path, default=RESULTS_DIR / "trainer_memory.json", help="JSON result file"
-    )
     parser.add_argument("--child", choices=SCENARIOS, help=argparse.SUPPRESS)
     parser.add_argument("--child-output", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -523,7 +513,7 @@ def parse_args(argv: list[str]) -> tuple[Config, argparse.Namespace]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    config, args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    config, args = parse_args(argv_of(argv))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # PEFT's and transformers' advice
         if args.child:

@@ -35,14 +35,15 @@ Rounds alternate the two (Artery's steps, then TRL's) so that whatever else runs
 weighs on both; the first steps of each are warm-up and not counted. torch runs with ``--threads``
 intra-op threads (1 by default: on a shared 2-core machine more threads make a tiny model's step
 times jump by 10-50x whenever another process wants a core).
+
+Long module: one benchmark, read top to bottom: the two runners (Artery's policy, TRL's trainer) on the
+same groups, the result and its table. What every benchmark shares is ``loadtests/harness.py``.
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import statistics
-import sys
 import tempfile
 import time
 import warnings
@@ -50,8 +51,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from loadtests import RESULTS_DIR
-from loadtests.report import load_average, machine, report
+from loadtests import harness
+from loadtests.harness import argv_of, load_average, machine, report, table
 
 TARGETS_WITHOUT_LM_HEAD = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LEARNING_RATE = 1e-5
@@ -347,14 +348,6 @@ def run(config: Config) -> dict[str, Any]:
     }
 
 
-def _table(rows: list[tuple[str, ...]], right: set[int]) -> list[str]:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return [
-        "  ".join(v.rjust(widths[i]) if i in right else v.ljust(widths[i]) for i, v in enumerate(r)).rstrip()
-        for r in rows
-    ]
-
-
 def render(result: dict[str, Any]) -> str:
     c, m, rows = result["config"], result["machine"], result["per_step"]
     notes = {
@@ -366,9 +359,9 @@ def render(result: dict[str, Any]) -> str:
         "trl_full_step": "TRL step (generation included)",
         "artery_train_step_with_lm_head": "Artery's default targets (+ lm_head)",
     }
-    table = [("per step", "median ms", "mean ms", "p90 ms", "n", "includes")]
+    figures = [("per step", "median ms", "mean ms", "p90 ms", "n", "includes")]
     for name, s in rows.items():
-        table.append(
+        figures.append(
             (
                 name.replace("_", " "),
                 f"{s['median_ms']:.1f}",
@@ -393,7 +386,7 @@ def render(result: dict[str, Any]) -> str:
             f"{c['rounds']} round(s) of {c['steps']} steps each, after {c['warmup']} warm-up step(s); "
             f"mean completion tokens: artery {tokens['artery']}, trl {tokens['trl']}",
             "",
-            *_table(table, right={1, 2, 3, 4}),
+            *table(figures, right={1, 2, 3, 4}),
             "",
             f"TRL / Artery (medians): full step {r['full_step_trl_over_artery']}x, "
             f"training {r['train_trl_over_artery']}x, generation {r['generate_trl_over_artery']}x",
@@ -402,9 +395,7 @@ def render(result: dict[str, Any]) -> str:
 
 
 def parse_args(argv: list[str]) -> Config:
-    parser = argparse.ArgumentParser(
-        prog="python -m loadtests trainer_step", description=__doc__.splitlines()[0]
-    )
+    parser = harness.parser("trainer_step", __doc__)
     parser.add_argument("--groups", type=int, default=2, help="groups per step (default 2)")
     parser.add_argument("--group-size", type=int, default=8, help="completions per group (default 8)")
     parser.add_argument("--max-new-tokens", type=int, default=8, help="longest completion (default 8)")
@@ -415,9 +406,6 @@ def parse_args(argv: list[str]) -> Config:
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     parser.add_argument("--quick", action="store_true", help="a few steps: a smoke test")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--output", type=Path, default=RESULTS_DIR / "trainer_step.json", help="JSON result file"
-    )
     args = parser.parse_args(argv)
     steps = args.steps or (3 if args.quick else 10)
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
@@ -442,7 +430,7 @@ def parse_args(argv: list[str]) -> Config:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    config = parse_args(list(sys.argv[1:] if argv is None else argv))
+    config = parse_args(argv_of(argv))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # PEFT's and TRL's advice about a tiny model on a CPU
         result = run(config)

@@ -1,5 +1,8 @@
 """Artery's wire contract: every event that crosses NATS, as msgspec Structs.
 
+``artery.schemas``, installed from the top-level ``schemas/`` folder (the README's "Repository
+layout" maps every folder).
+
 This package depends on msgspec alone, so that services without torch (collector, reward,
 publisher) and publishers in other languages share one source of truth. The JSON Schema and
 AsyncAPI documents under ``generated/`` are produced from these types by ``make schemas``.

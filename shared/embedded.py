@@ -11,6 +11,9 @@ what it got in its ports file; PostgreSQL, which cannot, moves to a fresh port w
 for it was taken. Once a server has run, its port is kept: a restart comes back where clients look.
 
 A server that fails to start is stopped again, and the error carries the end of its own log.
+
+Long module: two launchers (NATS, PostgreSQL) that share the port, process and log handling
+above; each is read with the rules it follows, in one place.
 """
 
 from __future__ import annotations

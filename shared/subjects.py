@@ -56,6 +56,13 @@ ADAPTERS_BUCKET = "artery_adapters"  # object store: LoRA adapters
 #: for until PostgreSQL has it (services.reward.verdicts)
 VERDICTS_BUCKET = "artery_verdicts"
 
+#: The NATS service a ready service process answers as, ``artery-<service>`` (NATS's own service
+#: protocol: ``$SRV.PING|INFO|STATS[.<name>[.<id>]]``, what ``nats micro ping`` asks; see
+#: ``shared.health``). A service name, not an Artery subject: no channel in the contract.
+HEALTH_SERVICE = PREFIX + "-{service}"
+#: Subjects of that protocol: the requests a ready service answers.
+HEALTH_REQUESTS = "$SRV.>"
+
 
 def trajectories(project: str, model: str) -> str:
     return f"{PREFIX}.traj.{project}.{model}"
@@ -127,3 +134,14 @@ def parse_trajectories(subject: str) -> tuple[str, str] | None:
     if len(parts) != 4 or parts[:2] != [PREFIX, "traj"]:
         return None
     return parts[2], parts[3]
+
+
+def covers(subject_filter: str, subject: str) -> bool:
+    """Whether NATS delivers ``subject`` to ``subject_filter``: ``*`` is one token, ``>`` the rest."""
+    want, have = subject_filter.split("."), subject.split(".")
+    for i, token in enumerate(want):
+        if token == ">":
+            return len(have) > i
+        if i >= len(have) or (token != "*" and token != have[i]):
+            return False
+    return len(want) == len(have)

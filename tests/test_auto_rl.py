@@ -5,16 +5,11 @@ RULER scoring each group."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import re
-import subprocess
-import sys
 from pathlib import Path
-from types import ModuleType, SimpleNamespace
+from types import SimpleNamespace
 
 import pytest
-from openai.types.chat import ChatCompletion
 
 from artery.auto import (
     INPUTS_FILE,
@@ -24,22 +19,14 @@ from artery.auto import (
     generate_system_prompt,
     generate_training_inputs,
 )
-from artery.testing.judge import scores_json, serve_scripted_judge
+from artery.testing.judge import serve_scripted_judge
+from tests.example_helpers import completion, history, load_example, scores_by_id, script_help, scripted_llms
 
 ROOT = Path(__file__).resolve().parent.parent
-EXAMPLE = ROOT / "examples" / "auto_rl" / "train.py"
 TASK = "Rewrite the user's text in formal business English."
 
 
-def load_example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("example_auto_rl", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-example = load_example()
+example = load_example("auto_rl")
 
 
 def inputs_json(n: int) -> str:
@@ -55,9 +42,7 @@ def answer(body: dict) -> str:
         )
     if name == "system_prompt":
         return json.dumps({"system_prompt": "Rewrite the text formally."})
-    text = "\n".join(str(m.get("content")) for m in body["messages"])
-    ids = re.findall(r'<trajectory id="(\d+)">', text)
-    return scores_json(*((i, int(i) / len(ids)) for i in ids))
+    return scores_by_id(body)
 
 
 # ---------------------------------------------------------------- generation
@@ -109,20 +94,6 @@ async def test_a_bad_answer_is_asked_again_once_then_a_clear_error():
 # ---------------------------------------------------------------- the loop, stored inputs and replay
 
 
-def completion(text: str) -> ChatCompletion:
-    return ChatCompletion.model_validate(
-        {
-            "id": "c",
-            "object": "chat.completion",
-            "created": 0,
-            "model": "m",
-            "choices": [
-                {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
-            ],
-        }
-    )
-
-
 class FakeModel:
     """What ``auto_rl`` uses of a registered ``TrainableModel``: completions, ``train``, the step."""
 
@@ -134,7 +105,7 @@ class FakeModel:
 
         async def create(**request):
             self.requests.append(request)
-            return completion(f"answer {len(self.requests)}")
+            return completion({"content": f"answer {len(self.requests)}"})
 
         self.client = SimpleNamespace(chat=SimpleNamespace(completions=SimpleNamespace(create=create)))
 
@@ -210,10 +181,8 @@ async def test_auto_rl_stores_the_inputs_and_replays_them(tmp_path):
 
 
 def test_script_runs_standalone():
-    out = subprocess.run(
-        [sys.executable, str(EXAMPLE), "--help"], capture_output=True, text=True, timeout=60, check=True
-    )
-    assert "--task" in out.stdout and "--generator-model" in out.stdout and "--regenerate" in out.stdout
+    out = script_help("auto_rl")
+    assert "--task" in out and "--generator-model" in out and "--regenerate" in out
 
 
 # ---------------------------------------------------------------- end to end on the embedded stack
@@ -234,10 +203,7 @@ def test_auto_rl_example_trains_two_steps_on_ruler_scores(tmp_path):
                 "--max-tokens", "12",
                 "--learning-rate", "1e-2",
                 "--backend-path", str(path),
-                "--generator-model", "openai/generator",
-                "--generator-api-base", server.api_base,
-                "--judge-model", "openai/judge",
-                "--judge-api-base", server.api_base,
+                *scripted_llms(server.api_base, "generator", "judge"),
             ]
         )  # fmt: skip
     assert summary["steps"] == 2 and summary["final_step"] == 2 and summary["judge_failures"] == 0
@@ -246,8 +212,7 @@ def test_auto_rl_example_trains_two_steps_on_ruler_scores(tmp_path):
     assert Path(summary["inputs_path"]) == path / "examples" / "models" / "auto-rl-001" / INPUTS_FILE
     assert stored["task_description"] == TASK and len(stored["inputs"]) == 2
     assert sum(b["model"] == "judge" for b in server.requests) == 2  # one per group
-    history = path / "examples" / "models" / "auto-rl-001" / "history.jsonl"
-    rows = {r["step"]: r for r in map(json.loads, history.read_text().splitlines())}
+    rows = {r["step"]: r for r in history(path, "auto-rl-001")}
     for point in summary["curve"]:
         row = rows[point["new_step"]]
         assert row["train/reward_mean"] == pytest.approx(2 / 3) and row["train/tokens_trained"] > 0

@@ -353,7 +353,14 @@ ASYNCAPI = json.loads((generate.GENERATED_DIR / "asyncapi.json").read_text())
 # Functions of shared/subjects.py that name KV keys or parse subjects; every other one is a subject
 # and must have a channel.
 #: KV keys and their update subjects are not event channels (the KV values are in the contract).
-NOT_SUBJECT_FUNCTIONS = {"model_key", "replica_key", "replica_keys", "kv_updates", "parse_trajectories"}
+NOT_SUBJECT_FUNCTIONS = {
+    "model_key",
+    "replica_key",
+    "replica_keys",
+    "kv_updates",
+    "parse_trajectories",
+    "covers",  # subject matching, not a subject
+}
 SUBJECT_FUNCTIONS = [
     fn
     for name, fn in inspect.getmembers(subjects, inspect.isfunction)
@@ -369,17 +376,6 @@ def subject_pattern(fn) -> re.Pattern:
     for name in set(names) - set(generate.PARAMETERS):
         pattern = pattern.replace(re.escape(f"{{{name}}}"), r"[a-z_]+")
     return re.compile(pattern + "$")
-
-
-def covers(subject_filter: str, address: str) -> bool:
-    """NATS wildcard matching, with ``{parameters}`` standing for one token each."""
-    want, have = subject_filter.split("."), address.split(".")
-    for i, token in enumerate(want):
-        if token == ">":
-            return len(have) > i
-        if i >= len(have) or (token != "*" and token != have[i]):
-            return False
-    return len(want) == len(have)
 
 
 def test_asyncapi_version_and_info():
@@ -401,7 +397,7 @@ def test_channels_name_the_stream_that_holds_them():
         holders = [
             name
             for name, spec in streams.items()
-            if any(covers(f, channel["address"]) for f in spec.subjects)
+            if any(subjects.covers(f, channel["address"]) for f in spec.subjects)
         ]
         expected = holders[0] if holders else "none (request/reply)"
         assert len(holders) <= 1, channel_id

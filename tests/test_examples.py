@@ -3,37 +3,17 @@ on the embedded stack with the tiny model (the tool-use one judged by a scripted
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
-import subprocess
-import sys
-from pathlib import Path
-from types import ModuleType, SimpleNamespace
 
 import pytest
-from openai.types.chat import ChatCompletion
 
-from artery.testing.judge import scores_json, serve_scripted_judge
+from artery.testing.judge import serve_scripted_judge
+from tests.example_helpers import FakeClient, completion, history, load_example, script_help
+from tests.example_helpers import scores_by_id as score_by_id
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-
-
-def load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / name / "train.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-single_turn = load("single_turn")
-tool_use = load("tool_use")
-
-
-def history(backend_path: Path, model: str) -> list[dict]:
-    path = backend_path / "examples" / "models" / model / "history.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()]
+single_turn = load_example("single_turn")
+tool_use = load_example("tool_use")
 
 
 # ---------------------------------------------------------------- pure parts
@@ -62,45 +42,6 @@ def test_calculator_tool():
         content, ok = tool_use.run_tool(name, arguments)
         assert not ok and message in json.loads(content)["error"], (arguments, content)
     assert tool_use.is_correct("The answer is 1,234.", 1234) and not tool_use.is_correct("12", 1234)
-
-
-def completion(message: dict, token_ids: list[int]) -> ChatCompletion:
-    """A response as Artery's inference service returns it (token ids on the choice)."""
-    return ChatCompletion.model_validate(
-        {
-            "id": "c",
-            "object": "chat.completion",
-            "created": 0,
-            "model": "m",
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", **message},
-                    "finish_reason": "tool_calls" if message.get("tool_calls") else "stop",
-                    "logprobs": {
-                        "content": [
-                            {"token": f"t{t}", "logprob": -0.5, "bytes": None, "top_logprobs": []}
-                            for t in token_ids
-                        ]
-                    },
-                    "token_ids": token_ids,
-                }
-            ],
-        }
-    )
-
-
-class FakeClient:
-    """``client.chat.completions.create`` answering scripted responses, recording each request."""
-
-    def __init__(self, responses: list[ChatCompletion]):
-        self.responses = list(responses)
-        self.requests: list[dict] = []
-        self.chat = SimpleNamespace(completions=SimpleNamespace(create=self.create))
-
-    async def create(self, **request):
-        self.requests.append(json.loads(json.dumps(request)))
-        return self.responses.pop(0)
 
 
 async def test_tool_loop_runs_calls_and_keeps_the_history():
@@ -149,14 +90,8 @@ async def test_tool_loop_stops_after_max_turns():
 
 @pytest.mark.parametrize("name", ["single_turn", "tool_use"])
 def test_scripts_run_standalone(name):
-    out = subprocess.run(
-        [sys.executable, str(EXAMPLES / name / "train.py"), "--help"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    assert "--base-model" in out.stdout and "--nats-url" in out.stdout
+    out = script_help(name)
+    assert "--base-model" in out and "--nats-url" in out
 
 
 # ---------------------------------------------------------------- end to end on the embedded stack
@@ -179,12 +114,6 @@ def test_single_turn_example_trains(tmp_path):
         assert row["train/reward_mean"] == pytest.approx(point["reward"])
         assert row["train/trajectories"] == 8
     assert any(rows[p["new_step"]]["train/tokens_trained"] > 0 for p in summary["curve"])
-
-
-def score_by_id(body: dict) -> str:
-    """The judge's answer: trajectory ``i`` of ``n`` scores ``i / n``."""
-    ids = re.findall(r'<trajectory id="(\d+)">', body["messages"][1]["content"])
-    return scores_json(*((i, int(i) / len(ids)) for i in ids))
 
 
 @pytest.mark.slow

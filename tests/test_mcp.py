@@ -6,20 +6,25 @@ the embedded stack with the reward service's RULER."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
-import re
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
-from types import ModuleType, SimpleNamespace
 
 import pytest
-from openai.types.chat import ChatCompletion
 
-from artery.testing.judge import scores_json, serve_scripted_judge
+from artery.testing.judge import serve_scripted_judge
+from tests.example_helpers import (
+    FakeClient,
+    completion,
+    history,
+    load_example,
+    scores_by_id,
+    script_help,
+    scripted_llms,
+)
 
 pytest.importorskip("mcp")
 
@@ -45,15 +50,7 @@ EXAMPLE = ROOT / "examples" / "mcp_rl"
 TOOL_NAMES = ["convert_length", "convert_mass", "convert_temperature", "list_units"]
 
 
-def load_example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("example_mcp_rl", EXAMPLE / "train.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-example = load_example()
+example = load_example("mcp_rl")
 
 
 def stdio_server() -> StdioServerParameters:
@@ -217,38 +214,6 @@ async def test_streamable_http_server_lists_and_calls():
 # ---------------------------------------------------------------- the example's rollout, MCP in the loop
 
 
-def completion(message: dict) -> ChatCompletion:
-    return ChatCompletion.model_validate(
-        {
-            "id": "c",
-            "object": "chat.completion",
-            "created": 0,
-            "model": "m",
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", **message},
-                    "finish_reason": "tool_calls" if message.get("tool_calls") else "stop",
-                    "token_ids": [1, 2, 3],
-                }
-            ],
-        }
-    )
-
-
-class FakeClient:
-    """``chat.completions.create`` answering scripted model turns, recording each request."""
-
-    def __init__(self, responses: list[ChatCompletion]):
-        self.responses = list(responses)
-        self.requests: list[dict] = []
-        self.chat = SimpleNamespace(completions=SimpleNamespace(create=self.create))
-
-    async def create(self, **request):
-        self.requests.append(json.loads(json.dumps(request)))
-        return self.responses.pop(0)
-
-
 async def test_rollout_runs_the_models_tool_calls_through_the_mcp_server():
     async with mcp_session(stdio_server()) as session:
         tools, _ = await list_tools_and_resources(session)
@@ -261,17 +226,19 @@ async def test_rollout_runs_the_models_tool_calls_through_the_mcp_server():
                         "tool_calls": [
                             call("c1", "convert_length", '{"value": 2, "from_unit": "ft", "to_unit": "in"}')
                         ],
-                    }
+                    },
+                    [1, 2, 3],
                 ),
                 completion(
-                    {"content": None, "tool_calls": [call("c2", "complete_task", '{"summary": "24 in"}')]}
+                    {"content": None, "tool_calls": [call("c2", "complete_task", '{"summary": "24 in"}')]},
+                    [1, 2, 3],
                 ),
             ]
         )
         done = await example.rollout(client, "agent", session, openai_tools, "How many inches in 2 ft?")
         # A model turn without a tool call ends the episode (what the tiny model mostly does).
         silent = await example.rollout(
-            FakeClient([completion({"content": "no idea"})]), "agent", session, openai_tools, "x"
+            FakeClient([completion({"content": "no idea"}, [1, 2, 3])]), "agent", session, openai_tools, "x"
         )
     assert [r["tools"] for r in client.requests] == [openai_tools, openai_tools]
     second = client.requests[1]["messages"]
@@ -366,14 +333,8 @@ async def test_generate_scenarios_asks_again_once_then_fails_clearly():
 
 
 def test_script_runs_standalone():
-    out = subprocess.run(
-        [sys.executable, str(EXAMPLE / "train.py"), "--help"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    assert "--generator-model" in out.stdout and "--judge-model" in out.stdout and "--mcp-url" in out.stdout
+    out = script_help("mcp_rl")
+    assert "--generator-model" in out and "--judge-model" in out and "--mcp-url" in out
 
 
 # ---------------------------------------------------------------- end to end on the embedded stack
@@ -384,9 +345,7 @@ def answer(body: dict) -> str:
     if body["response_format"]["json_schema"]["name"] == "scenario_list":
         n = body["response_format"]["json_schema"]["schema"]["properties"]["scenarios"]["minItems"]
         return scenarios_json(n)
-    text = "\n".join(str(m.get("content")) for m in body["messages"])
-    ids = re.findall(r'<trajectory id="(\d+)">', text)
-    return scores_json(*((i, int(i) / len(ids)) for i in ids))
+    return scores_by_id(body)
 
 
 @pytest.mark.slow
@@ -403,10 +362,7 @@ def test_mcp_rl_example_trains_two_steps_judged_by_the_reward_service(tmp_path):
                 "--max-turns", "2",
                 "--max-tokens", "24",
                 "--backend-path", str(path),
-                "--generator-model", "openai/generator",
-                "--generator-api-base", server.api_base,
-                "--judge-model", "openai/judge",
-                "--judge-api-base", server.api_base,
+                *scripted_llms(server.api_base, "generator", "judge"),
             ]
         )  # fmt: skip
     assert summary["tools"] == TOOL_NAMES and summary["resources"] == ["units://catalog"]
@@ -422,8 +378,7 @@ def test_mcp_rl_example_trains_two_steps_judged_by_the_reward_service(tmp_path):
         assert "complete_task and a summary" in body["messages"][0]["content"]  # the example's rubric
     stored = json.loads(Path(summary["scenarios_path"]).read_text())
     assert len(stored["scenarios"]) == 2 and Path(summary["scenarios_path"]).parent.name == "mcp-rl-001"
-    history = path / "examples" / "models" / "mcp-rl-001" / "history.jsonl"
-    rows = {r["step"]: r for r in map(json.loads, history.read_text().splitlines())}
+    rows = {r["step"]: r for r in history(path, "mcp-rl-001")}
     for point in summary["curve"]:
         row = rows[point["new_step"]]
         assert row["train/reward_mean"] == pytest.approx(2 / 3)  # the judge's 1/3, 2/3, 1

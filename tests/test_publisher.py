@@ -143,6 +143,21 @@ def saved_event(uri: str, data: bytes, step: int, **metrics: float) -> Checkpoin
     )
 
 
+def published_event(object_name: str, data: bytes, step: int, *, project=PROJECT, model=MODEL):
+    """What the publisher announces once ``data`` is in the Object Store as ``object_name``."""
+    return CheckpointPublished(
+        id=new_event_id(),
+        project=project,
+        model=model,
+        step=step,
+        object_name=object_name,
+        sha256=sha256_hex(data),
+        size_bytes=len(data),
+        base_model="artery/tiny-random",
+        served_name=f"{model}@{step}",
+    )
+
+
 @pytest.fixture
 async def run_publisher(nc, database_url):
     """An in-process publisher with its retention server (same code as main); stopped at teardown."""

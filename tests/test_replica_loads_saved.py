@@ -14,13 +14,12 @@ import asyncio
 
 import pytest
 
-from artery.schemas import CheckpointPublished, new_event_id
 from artery.services.inference.checkpoints import CheckpointWatcher
 from artery.services.publisher.service import object_name
 from artery.shared import subjects
 from artery.shared.adapters import put_adapter, sha256_hex
 from artery.shared.bus import publish_event
-from tests.test_publisher import MODEL, PROJECT, SAVED, saved_event, write_adapter
+from tests.test_publisher import MODEL, PROJECT, SAVED, published_event, saved_event, write_adapter
 from tests.test_replica_follows import following, publishing, until
 
 pytestmark = pytest.mark.timeout(120)
@@ -103,17 +102,7 @@ async def test_a_saved_file_this_replica_cannot_read_waits_for_the_published_ada
         await publish_event(js, SAVED, saved_event(elsewhere, data, 1))
         name = object_name(PROJECT, MODEL, 1)
         await put_adapter(js, name, data)  # what the publisher, on the trainer's machine, does
-        event = CheckpointPublished(
-            id=new_event_id(),
-            project=PROJECT,
-            model=MODEL,
-            step=1,
-            object_name=name,
-            sha256=sha256_hex(data),
-            size_bytes=len(data),
-            base_model="tiny",
-            served_name=f"{MODEL}@1",
-        )
+        event = published_event(name, data, 1)
         await publish_event(js, subjects.checkpoint("published", PROJECT, MODEL), event)
         await engine.next_load()
         assert engine.started == [f"{MODEL}@1"]

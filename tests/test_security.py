@@ -22,12 +22,12 @@ import pytest
 from nats.js.api import ConsumerConfig, KeyValueConfig
 from safetensors.numpy import save_file
 
-from artery.schemas import CheckpointPublished, CheckpointSaved, TrainRequested, new_event_id
+from artery.schemas import CheckpointSaved, TrainRequested, new_event_id
 from artery.services.inference.checkpoints import CheckpointWatcher
 from artery.services.inference.control import ControlServer, ReplicaRegistry
 from artery.services.inference.pause import PauseGate
 from artery.shared import bus, subjects
-from artery.shared.adapters import get_adapter, pack_adapter, put_adapter, sha256_hex
+from artery.shared.adapters import get_adapter, pack_adapter, put_adapter
 from artery.shared.auth import nats_connect_options
 from artery.shared.consumer import ConsumerOptions, DurableConsumer
 from artery.shared.control_client import live_replicas, pause_replicas, resume_replicas
@@ -46,6 +46,7 @@ from artery.shared.permissions import (
 )
 from artery.shared.settings import CommonSettings
 from tests.factories import group
+from tests.test_publisher import published_event
 
 PROJECT, OTHER, MODEL = "alpha", "beta", "agent"
 #: How long a refused request is given before it counts as dropped (the server says why at once).
@@ -66,9 +67,12 @@ def test_permissions_follow_the_subjects_module():
     )
     for role in ROLES:
         p = permissions(role, role, project=PROJECT if role == "agent" else None)
-        pauses = any(s.startswith(f"{subjects.PREFIX}.control.inference") for s in p.publish)
-        assert pauses == (role == "trainer"), role
-        assert (f"{subjects.PREFIX}.control.inference.>" in p.deny_publish) == (role != "trainer"), role
+        pause, resume = subjects.control("pause", "*", "*"), subjects.control("resume", "*", "*")
+        controls = {s for s in p.publish if s.startswith(f"{subjects.PREFIX}.control.inference")}
+        # Only the trainer pauses; the admin (an operator, through the console) may also resume.
+        assert controls == {"trainer": {pause, resume}, "admin": {resume}}.get(role, set()), role
+        denied = {f"{subjects.PREFIX}.control.inference.>", pause} & set(p.deny_publish)
+        assert bool(denied) == (role != "trainer"), role
         writes = any(s.startswith(f"$O.{subjects.ADAPTERS_BUCKET}") for s in p.publish)
         assert writes == (role == "publisher"), role
         assert (f"$O.{subjects.ADAPTERS_BUCKET}.>" in p.deny_publish) == (role != "publisher"), role
@@ -360,17 +364,7 @@ async def test_only_the_publisher_writes_adapters_and_inference_reads_them(secur
     try:
         publisher = await secured.connect("publisher")
         await put_adapter(publisher.js, name, data)
-        published = CheckpointPublished(
-            id=new_event_id(),
-            project=PROJECT,
-            model=MODEL,
-            step=1,
-            object_name=name,
-            sha256=sha256_hex(data),
-            size_bytes=len(data),
-            base_model="tiny",
-            served_name=f"{MODEL}@1",
-        )
+        published = published_event(name, data, 1, project=PROJECT, model=MODEL)
         await bus.publish_event(publisher.js, subjects.checkpoint("published", PROJECT, MODEL), published)
         for _ in range(250):
             if engine.loaded:

@@ -1,6 +1,8 @@
 """The layering a reader relies on, checked from the source: services know each other only through
-``schemas`` and ``shared``; ``shared`` and ``schemas`` know no service and no SDK module; and no two
-modules import each other at load time (an import loop makes the load order matter)."""
+``schemas`` and ``shared`` (a service imports nothing of ``artery.*`` but those and its own
+package); ``shared`` and ``schemas`` know no service and no SDK module; no two modules import each
+other at load time (an import loop makes the load order matter), and in the SDK not even for a
+type; each top-level package says which folder it is; a module over ``MAX_LINES`` says why."""
 
 from __future__ import annotations
 
@@ -102,6 +104,12 @@ def test_no_load_time_import_loops():
         }
         for module, path in modules().items()
     }
+    loops = _loops(graph)
+    assert not loops, "import loops: " + "; ".join(loops)
+
+
+def _loops(graph: dict[str, set[str]]) -> list[str]:
+    """Every cycle a depth-first walk meets, as ``a -> b -> a``."""
     state: dict[str, str] = {}
     loops: list[str] = []
 
@@ -117,4 +125,53 @@ def test_no_load_time_import_loops():
     for module in sorted(graph):
         if module not in state:
             walk(module, [module])
+    return loops
+
+
+def test_no_import_loops_in_the_sdk_even_for_types():
+    """In ``artery/``, each file depends one way: not even a type-only (``TYPE_CHECKING``) or a
+    deferred (in a function) import goes back, so a reader can take the modules in order."""
+    sdk = {m: p for m, p in modules().items() if p.is_relative_to(ROOT / "artery")}
+    graph = {
+        module: {
+            target
+            for target in imported(path, load_time=False)
+            if target in sdk and target != module and not target.startswith(module + ".")
+        }
+        for module, path in sdk.items()
+    }
+    loops = _loops(graph)
     assert not loops, "import loops: " + "; ".join(loops)
+
+
+#: The most lines a module has before it must say, near its top, why it is one module.
+MAX_LINES = 400
+#: The line that says it, in the module's docstring or a comment among its first lines.
+LONG_MARKER = "Long module:"
+#: Where the project's own code is (tests aside): the installed folders, benchmarks, examples.
+CODE_FOLDERS = ("artery", "services", "shared", "schemas", "loadtests", "examples")
+
+
+def _states_why(path: Path) -> bool:
+    """A line of the module's docstring, or a comment among its first lines, starts with the marker."""
+    text = path.read_text()
+    lines = (ast.get_docstring(ast.parse(text)) or "").splitlines() + text.splitlines()[:40]
+    return any(line.lstrip("# ").startswith(LONG_MARKER) for line in lines)
+
+
+def test_long_modules_say_why_they_are_one_module():
+    long = []
+    for folder in CODE_FOLDERS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if len(path.read_text().splitlines()) > MAX_LINES and not _states_why(path):
+                long.append(path.relative_to(ROOT).as_posix())
+    assert not long, f"over {MAX_LINES} lines without a '{LONG_MARKER} <reason>' line at the top: {long}"
+
+
+def test_each_top_level_package_says_which_folder_it_is():
+    """The mapping of import names onto folders is visible where a reader lands: each folder's
+    ``__init__`` docstring names both (the README's "Repository layout" maps them all)."""
+    for folder, name in FOLDERS.items():
+        doc = ast.get_docstring(ast.parse((ROOT / folder / "__init__.py").read_text())) or ""
+        assert f"``{name}``" in doc or f"``import {name}" in doc, f"{folder}/__init__.py: name {name}"
+        assert f"``{folder}/``" in doc or folder == "artery", f"{folder}/__init__.py: name its folder"

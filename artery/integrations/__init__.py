@@ -12,15 +12,33 @@ Nothing here is imported until a model or the tracing set-up asks for it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from artery.model import Model
     from artery.trajectories import TrajectoryGroup
 
 
+class TrackedModel(Protocol):
+    """What a tracker reads of ``artery.model.Model`` and keeps on it (this package does not
+    import the model: the model imports it)."""
+
+    name: str
+    project: str
+    entity: str | None
+    base_model: str | None
+    config: Any
+    directory: Path
+    report_metrics: list[str] | None
+    _wandb_run: Any
+    _wandb_failed: bool
+
+
 async def report(
-    model: Model, row: dict[str, Any], groups: list[TrajectoryGroup] | None = None, split: str | None = None
+    model: TrackedModel,
+    row: dict[str, Any],
+    groups: list[TrajectoryGroup] | None = None,
+    split: str | None = None,
 ) -> None:
     """Send one ``history.jsonl`` row (and the groups it summarises) to the model's trackers."""
     from artery.integrations import wandb as wandb_integration

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 if TYPE_CHECKING:
-    from artery.model import Model
+    from artery.integrations import TrackedModel as Model
     from artery.trajectories import TrajectoryGroup
 
 __all__ = ["STEP_METRIC", "finish", "log", "run_of", "wanted"]

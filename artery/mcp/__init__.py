@@ -15,7 +15,7 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess by th
         "artery.mcp needs the Model Context Protocol SDK (the 'mcp' package): pip install 'artery[mcp]'"
     ) from exc
 
-from artery.auto import GenerationError
+from artery.generation import GenerationError
 from artery.mcp.client import (
     ToolCallsOutcome,
     call_mcp_tool,

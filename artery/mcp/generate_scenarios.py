@@ -6,7 +6,7 @@ import json
 import time
 from typing import Any
 
-from artery.auto import DEFAULT_GENERATOR_MODEL, generate_json
+from artery.generation import DEFAULT_GENERATOR_MODEL, counted_list, generate_json
 from artery.mcp.types import GeneratedScenario, GeneratedScenarioCollection, MCPResource, MCPTool
 
 
@@ -106,7 +106,7 @@ async def generate_scenarios(
     server, Artery's own endpoint included; or pass ``model.litellm_completion_params()`` as
     ``extra_litellm_params``). The answer must follow a JSON schema with exactly
     ``num_scenarios`` items; a wrong count, a difficulty outside 1-5 or malformed JSON is asked
-    again once, then :class:`artery.auto.GenerationError` is raised.
+    again once, then :class:`artery.generation.GenerationError` is raised.
     ``generator_api_key`` unset: the provider's usual environment variable (``OPENAI_API_KEY``...).
     """
     if num_scenarios < 1:
@@ -117,11 +117,7 @@ async def generate_scenarios(
     tools_info, resources_info = _tool_dicts(list(tools or [])), _resource_dicts(resources)
 
     def check(answer: Any) -> GeneratedScenarioCollection:
-        if not isinstance(answer, dict) or not isinstance(answer.get("scenarios"), list):
-            raise ValueError('expected an object {"scenarios": [{"task": ..., "difficulty": ...}, ...]}')
-        items = answer["scenarios"]
-        if len(items) != num_scenarios:
-            raise ValueError(f"expected exactly {num_scenarios} scenarios, got {len(items)}")
+        items = counted_list(answer, "scenarios", num_scenarios, '{"task": ..., "difficulty": ...}')
         scenarios = []
         for i, item in enumerate(items):
             if not isinstance(item, dict) or "task" not in item or "difficulty" not in item:

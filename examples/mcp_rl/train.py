@@ -29,9 +29,7 @@ import argparse
 import asyncio
 import os
 import random
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +37,14 @@ from typing import Any
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
 import artery as art
+from artery.examples_support import (
+    TrainingRun,
+    add_llm_flags,
+    check_llm_flags,
+    example_parser,
+    litellm_target,
+    make_backend,
+)
 from artery.mcp import (
     GeneratedScenarioCollection,
     execute_tool_calls,
@@ -48,8 +54,6 @@ from artery.mcp import (
     tools_to_openai,
 )
 
-#: The tiny random Qwen2 built locally (no model hub): it rarely writes a valid tool call.
-TINY = "artery/tiny-random"
 SERVER = Path(__file__).resolve().parent / "server.py"
 SCENARIOS_FILE = "mcp_rl_scenarios.json"
 SYSTEM = (
@@ -121,41 +125,6 @@ async def rollout(
     return trajectory.finish()
 
 
-def litellm_target(model_flag: str, api_base: str | None, api_key: str | None, model: art.TrainableModel):
-    """(litellm model name, extra litellm parameters) for ``--*-model``; ``self`` is the stack's model."""
-    if model_flag == "self":
-        params = model.litellm_completion_params()
-        params["max_completion_tokens"] = 1024  # the whole answer must fit a small model's context
-        return params.pop("model"), params
-    extra: dict[str, Any] = {}
-    if api_base:
-        extra["api_base"] = api_base
-    if api_base or api_key:
-        extra["api_key"] = api_key or "none"
-    return model_flag, extra
-
-
-def make_backend(args: argparse.Namespace) -> art.Backend:
-    if args.nats_url:
-        return art.Backend(nats_url=args.nats_url, inference_url=args.inference_url)
-    backend = art.LocalBackend(path=args.backend_path, inference_env={"ARTERY_INFERENCE_DEVICE": args.device})
-    backend.stack.extra_env["ARTERY_TRAINER_DEVICE"] = args.device
-    if args.ruler == "service":
-        # The reward service's judge is the deployment's: on the embedded stack, the one named here.
-        backend.stack.extra_env.update(
-            {
-                "ARTERY_REWARD_JUDGE_MODEL": args.judge_model,
-                **({"ARTERY_REWARD_JUDGE_API_BASE": args.judge_api_base} if args.judge_api_base else {}),
-                **(
-                    {"ARTERY_REWARD_JUDGE_API_KEY": args.judge_api_key or "none"}
-                    if args.judge_api_base
-                    else {}
-                ),
-            }
-        )
-    return backend
-
-
 async def load_or_generate_scenarios(
     args: argparse.Namespace, model: art.TrainableModel, tools, resources, count: int
 ) -> tuple[GeneratedScenarioCollection, Path]:
@@ -183,19 +152,10 @@ async def load_or_generate_scenarios(
 
 
 async def run(args: argparse.Namespace) -> dict:
-    backend = make_backend(args)
-    model = art.TrainableModel(
-        name=args.model_name, project=args.project, base_model=args.base_model, base_path=args.backend_path
-    )
     server: Any = args.mcp_url or art_stdio_server()
-    started = time.monotonic()
-    curve: list[dict] = []
     judge_failures = 0
-    try:
-        print(f"registering {args.project}/{args.model_name} ({args.base_model})...", flush=True)
-        await model.register(backend)
-        if model.inference_base_url is None:
-            raise SystemExit(f"no inference replica serves {args.project}/{args.model_name}")
+    async with TrainingRun(args, backend=make_backend(args, service_judge=args.ruler == "service")) as run:
+        model = run.model
         async with mcp_session(server) as session:
             tools, resources = await list_tools_and_resources(session)
             print(f"MCP server: tools {[t.name for t in tools]}, resources {[r.uri for r in resources]}")
@@ -213,9 +173,7 @@ async def run(args: argparse.Namespace) -> dict:
                 if args.ruler == "service"
                 else None
             )
-            print(
-                f"ready in {time.monotonic() - started:.1f}s; judge {judge_name} ({args.ruler})", flush=True
-            )
+            run.ready(f"judge {judge_name} ({args.ruler})")
 
             async def score(group: art.TrajectoryGroup) -> art.TrajectoryGroup | None:
                 nonlocal judge_failures
@@ -259,46 +217,20 @@ async def run(args: argparse.Namespace) -> dict:
                     max_exceptions=args.group_size * args.groups // 4,
                     after_each=score,
                 )
-                groups = [g for g in groups if len(g)]
-                trajectories = [t for g in groups for t in g]
-                result = await model.train(groups, config=art.TrainConfig(learning_rate=args.learning_rate))
-                point = {
-                    "step": step,
-                    "new_step": result.step,
-                    "reward": result.metrics.get("reward_mean"),
-                    "tool_calls": statistics.fmean(t.metrics["tool_calls"] for t in trajectories),
-                    "tool_errors": statistics.fmean(t.metrics["tool_errors"] for t in trajectories),
-                    "completed": statistics.fmean(t.metrics["task_completed"] for t in trajectories),
-                    "turns": statistics.fmean(t.metrics["turns"] for t in trajectories),
-                    "trajectories": len(trajectories),
-                    "trained": bool(result.metrics.get("trained", 1.0)),
-                    "loss": result.metrics.get("loss"),
-                }
-                curve.append(point)
-                reward = "n/a" if point["reward"] is None else f"{point['reward']:.3f}"
-                print(
-                    f"step {result.step:>3}: reward {reward}  tool calls {point['tool_calls']:.2f}  "
-                    f"errors {point['tool_errors']:.2f}  completed {point['completed']:.2f}  "
-                    f"turns {point['turns']:.2f}",
-                    flush=True,
+                await run.train(
+                    [g for g in groups if len(g)],
+                    tool_calls=lambda t: t.metrics["tool_calls"],
+                    tool_errors=lambda t: t.metrics["tool_errors"],
+                    completed=lambda t: t.metrics["task_completed"],
+                    turns=lambda t: t.metrics["turns"],
                 )
-        final_step = await model.get_step()
-    finally:
-        await backend.close()
-    summary = {
-        "model": f"{args.project}/{args.model_name}",
-        "tools": [t.name for t in tools],
-        "resources": [r.uri for r in resources],
-        "scenarios": len(scenarios),
-        "scenarios_path": str(scenarios_path),
-        "steps": len(curve),
-        "final_step": final_step,
-        "judge_failures": judge_failures,
-        "wall_time_s": round(time.monotonic() - started, 1),
-        "curve": curve,
-    }
-    print(f"done: {len(curve)} steps in {summary['wall_time_s']}s; the model is at step {final_step}")
-    return summary
+    return run.summary(
+        tools=[t.name for t in tools],
+        resources=[r.uri for r in resources],
+        scenarios=len(scenarios),
+        scenarios_path=str(scenarios_path),
+        judge_failures=judge_failures,
+    )
 
 
 def art_stdio_server():
@@ -309,37 +241,26 @@ def art_stdio_server():
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--base-model", default=TINY, help="a local directory or a name the stack resolves")
-    p.add_argument("--steps", type=int, default=4, help="training steps in this run")
-    p.add_argument("--groups", type=int, default=2, help="scenarios (groups) per step")
-    p.add_argument("--group-size", type=int, default=4, help="rollouts per scenario")
+    p = example_parser(
+        __doc__,
+        model_name="mcp-rl-001",
+        steps=4,
+        max_tokens_help="per model turn",
+        groups_help="scenarios (groups) per step",
+        group_size_help="rollouts per scenario",
+    )
     p.add_argument("--num-scenarios", type=int, help="scenarios to generate (default: steps x groups)")
     p.add_argument("--max-turns", type=int, default=3)
-    p.add_argument("--max-tokens", type=int, default=128, help="per model turn")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--learning-rate", type=float, default=1e-2)
     p.add_argument("--mcp-url", help="a streamable-HTTP MCP server instead of our stdio server.py")
     p.add_argument("--scenarios", help="a scenarios JSON file to replay instead of generating")
     p.add_argument("--custom-instructions", help="extra instructions for the scenario generator")
-    p.add_argument("--generator-model", default="openai/gpt-4.1-mini", help="a litellm model, or 'self'")
-    p.add_argument("--generator-api-base", help="an OpenAI-compatible base URL for --generator-model")
-    p.add_argument("--generator-api-key", default=os.environ.get("ARTERY_GENERATOR_API_KEY"))
-    p.add_argument("--judge-model", default="self", help="a litellm model, or 'self' (the trained model)")
-    p.add_argument("--judge-api-base", help="an OpenAI-compatible base URL for --judge-model")
-    p.add_argument("--judge-api-key", default=os.environ.get("ARTERY_JUDGE_API_KEY"))
+    add_llm_flags(p, "generator", "openai/gpt-4.1-mini", "a litellm model, or 'self'")
+    add_llm_flags(p, "judge", "self", "a litellm model, or 'self' (the trained model)")
     p.add_argument(
         "--ruler",
         choices=["service", "agent"],
         help="who calls the judge: the reward service (default with an external judge) or this process",
     )
-    p.add_argument("--project", default="examples")
-    p.add_argument("--model-name", default="mcp-rl-001", help="a re-run with the same name resumes it")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--backend-path", default=".artery", help="LocalBackend's directory (stack, history)")
-    p.add_argument("--device", default="cpu", help="LocalBackend's trainer and inference device")
-    p.add_argument("--nats-url", help="join a deployed Artery (art.Backend) instead of starting one")
-    p.add_argument("--inference-url", help="with --nats-url: the OpenAI-compatible base URL (.../v1)")
     return p
 
 
@@ -351,9 +272,7 @@ def main(argv: list[str] | None = None) -> dict:
             p.error("--ruler service needs an external --judge-model: the service's judge is fixed at start")
         args.ruler = "agent"
     args.ruler = args.ruler or "service"
-    for flag in ("generator", "judge"):
-        if getattr(args, f"{flag}_api_base") and getattr(args, f"{flag}_model") == "self":
-            p.error(f"--{flag}-api-base needs --{flag}-model openai/<name>, not self")
+    check_llm_flags(p, args, "generator", "judge")
     return asyncio.run(run(args))
 
 

@@ -18,13 +18,10 @@ import asyncio
 import difflib
 import random
 import re
-import statistics
-import time
 
 import artery as art
+from artery.examples_support import TrainingRun, example_parser
 
-#: The tiny random Qwen2 built locally (no model hub): gibberish answers, but every path runs.
-TINY = "artery/tiny-random"
 LABELS = ("positive", "negative")
 SYSTEM = "Classify the sentiment of the review. Answer with one word: positive or negative."
 REVIEWS: list[tuple[str, str]] = [
@@ -79,41 +76,18 @@ async def rollout(
     )
 
 
-def make_backend(args: argparse.Namespace) -> art.Backend:
-    if args.nats_url:
-        return art.Backend(nats_url=args.nats_url, inference_url=args.inference_url)
-    backend = art.LocalBackend(path=args.backend_path, inference_env={"ARTERY_INFERENCE_DEVICE": args.device})
-    backend.stack.extra_env["ARTERY_TRAINER_DEVICE"] = args.device
-    return backend
-
-
 async def run(args: argparse.Namespace) -> dict:
-    backend = make_backend(args)
-    model = art.TrainableModel(
-        name=args.model_name, project=args.project, base_model=args.base_model, base_path=args.backend_path
-    )
     rng = random.Random(args.seed)
-    started = time.monotonic()
-    curve: list[dict] = []
-    try:
-        print(f"registering {args.project}/{args.model_name} ({args.base_model})...", flush=True)
-        await model.register(backend)
-        if model.inference_base_url is None:
-            raise SystemExit(
-                f"no inference replica serves {args.project}/{args.model_name}: start one (artery up "
-                f"--serve {args.project}/{args.model_name}={args.base_model}) or pass --inference-url"
-            )
-        print(
-            f"ready in {time.monotonic() - started:.1f}s; inference at {model.inference_base_url}", flush=True
-        )
+    async with TrainingRun(args) as run:
+        run.ready(f"inference at {run.model.inference_base_url}")
         for _ in range(args.steps):
-            step = await model.get_step()
+            step = await run.model.get_step()
             batch = rng.sample(REVIEWS, k=min(args.groups, len(REVIEWS)))
             groups = await art.gather_trajectory_groups(
                 (
                     art.TrajectoryGroup(
                         rollout(
-                            model, review, label, max_tokens=args.max_tokens, temperature=args.temperature
+                            run.model, review, label, max_tokens=args.max_tokens, temperature=args.temperature
                         )
                         for _ in range(args.group_size)
                     )
@@ -122,55 +96,25 @@ async def run(args: argparse.Namespace) -> dict:
                 pbar_desc=f"step {step} rollouts",
                 max_exceptions=args.group_size * len(batch) // 4,
             )
-            trajectories = [t for g in groups for t in g]
-            result = await model.train(groups, config=art.TrainConfig(learning_rate=args.learning_rate))
-            point = {
-                "step": step,
-                "new_step": result.step,
-                "reward": statistics.fmean(t.reward for t in trajectories),
-                "accuracy": statistics.fmean(t.metrics["correct"] for t in trajectories),
-                "trajectories": len(trajectories),
-                "trained": bool(result.metrics.get("trained", 1.0)),
-                "loss": result.metrics.get("loss"),
-            }
-            curve.append(point)
-            print(
-                f"step {result.step:>3}: reward {point['reward']:.3f}  accuracy {point['accuracy']:.2f}  "
-                + (f"loss {point['loss']:+.4f}" if point["trained"] else "nothing trained (equal rewards)")
-                + f"  e.g. {trajectories[0].metadata['answer']!r}",
-                flush=True,
+            await run.train(
+                groups,
+                reward=lambda t: t.reward,
+                accuracy=lambda t: t.metrics["correct"],
+                example=next(iter(groups[0])).metadata["answer"],
             )
-        final_step = await model.get_step()
-    finally:
-        await backend.close()
-    summary = {
-        "model": f"{args.project}/{args.model_name}",
-        "steps": len(curve),
-        "final_step": final_step,
-        "wall_time_s": round(time.monotonic() - started, 1),
-        "curve": curve,
-    }
-    print(f"done: {len(curve)} steps in {summary['wall_time_s']}s; the model is at step {final_step}")
-    return summary
+    return run.summary()
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--base-model", default=TINY, help="a local directory or a name the stack resolves")
-    p.add_argument("--steps", type=int, default=10, help="training steps in this run")
-    p.add_argument("--groups", type=int, default=2, help="reviews (groups) per step")
-    p.add_argument("--group-size", type=int, default=8, help="rollouts per review")
-    p.add_argument("--max-tokens", type=int, default=4)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--learning-rate", type=float, default=1e-2)
-    p.add_argument("--project", default="examples")
-    p.add_argument("--model-name", default="single-turn-001", help="a re-run with the same name resumes it")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--backend-path", default=".artery", help="LocalBackend's directory (stack, history)")
-    p.add_argument("--device", default="cpu", help="LocalBackend's trainer and inference device")
-    p.add_argument("--nats-url", help="join a deployed Artery (art.Backend) instead of starting one")
-    p.add_argument("--inference-url", help="with --nats-url: the OpenAI-compatible base URL (.../v1)")
-    return p
+    return example_parser(
+        __doc__,
+        model_name="single-turn-001",
+        steps=10,
+        group_size=8,
+        max_tokens=4,
+        groups_help="reviews (groups) per step",
+        group_size_help="rollouts per review",
+    )
 
 
 def main(argv: list[str] | None = None) -> dict:

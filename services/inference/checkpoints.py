@@ -37,6 +37,10 @@ may publish ``checkpoint.saved`` (shared/permissions.py), so no agent can point 
 ``lag()`` says when the replica has served an older step than the newest published one for
 longer than ``max_lag_s`` (``/health`` turns that into a 503).
 
+Long module: one watcher whose ordering rules (newest first, deletions after loads, a deletion
+cancelling its fetch, the saved fast path) act on one shared state; split, each rule above would
+be read in two places.
+
 Each load runs in an ``inference.load_adapter`` span (``inference.unload_adapter`` for a
 deletion) that continues the trace the event's headers carry: the publisher's, hence the
 trainer's step and the ``train()`` call that asked for it.

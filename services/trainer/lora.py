@@ -3,6 +3,10 @@
 On CUDA, when ``import unsloth`` works, Unsloth's ``FastLanguageModel`` loads the model and adds
 the LoRA (faster kernels, less memory). That path is GPU-only and untested on the CPU machines this
 was written on; everywhere else it is transformers + ``peft.get_peft_model``.
+
+A warm start (the model's ``base_model`` is a PEFT adapter directory, ``shared.models.warm_start``)
+loads the adapter's base weights and the adapter itself as the trainable LoRA, always through
+PEFT: step 0 is the adapter, training continues from its weights, and its shape is the model's.
 """
 
 from __future__ import annotations
@@ -61,10 +65,42 @@ def peft_config(lora: LoraSettings) -> Any:
     )
 
 
+def adapter_lora_settings(config: dict) -> LoraSettings:
+    """The shape of a saved PEFT LoRA adapter (its ``adapter_config.json``)."""
+    if config.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"a warm start needs a LoRA adapter, not {config.get('peft_type')}")
+    modules = config.get("target_modules")
+    if isinstance(modules, str) or not modules:  # a regular expression: no list to compare
+        raise ValueError(f"the adapter's target_modules {modules!r} is not a list of module names")
+    return LoraSettings(
+        rank=int(config["r"]),
+        alpha=float(config.get("lora_alpha", config["r"])),
+        dropout=float(config.get("lora_dropout") or 0.0),
+        target_modules=tuple(sorted(modules)),
+    )
+
+
+def warm_start_lora(base_model: str | None) -> LoraSettings | None:
+    """The LoRA shape a model's ``base_model`` imposes: the adapter's, for a warm start."""
+    from artery.shared.models import warm_start
+
+    found = warm_start(base_model) if base_model else None
+    return adapter_lora_settings(found.config) if found is not None else None
+
+
 def load_peft(path: str, lora: LoraSettings, dtype: torch.dtype, device: torch.device) -> tuple[Any, Any]:
-    from peft import get_peft_model
+    from peft import PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from artery.shared.models import warm_start
+
+    warm = warm_start(path)
+    if warm is not None:
+        tokenizer = AutoTokenizer.from_pretrained(warm.tokenizer_path())
+        base = AutoModelForCausalLM.from_pretrained(warm.base_path(), dtype=dtype).to(device)
+        # Under the adapter name get_peft_model uses ("default"): saved steps have the same keys.
+        model = PeftModel.from_pretrained(base, str(warm.adapter_dir), is_trainable=True)
+        return model, tokenizer
     tokenizer = AutoTokenizer.from_pretrained(path)
     base = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
     # Adapter weights stay float32 on a bf16 base (PEFT's autocast_adapter_dtype): AdamW on bf16
@@ -99,3 +135,20 @@ def load_unsloth(path: str, lora: LoraSettings, dtype: torch.dtype, seed: int) -
         use_gradient_checkpointing="unsloth",
     )
     return model, tokenizer
+
+
+def effective_lora(path: str, lora: LoraSettings | None) -> LoraSettings:
+    """The adapter's shape: ``lora`` (default: ``LoraSettings()``), or for a warm start the
+    adapter's own, which a ``lora`` of another shape contradicts (a ``ValueError`` naming both)."""
+    warm = warm_start_lora(path)
+    if warm is None:
+        return lora if lora is not None else LoraSettings()
+    if lora is None:
+        return warm
+    if (lora.rank, float(lora.alpha), tuple(sorted(lora.target_modules))) != (
+        warm.rank,
+        warm.alpha,
+        warm.target_modules,
+    ):
+        raise ValueError(f"{path} is an adapter of shape {warm}; asked to train it as {lora}")
+    return warm

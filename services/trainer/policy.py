@@ -16,48 +16,48 @@ whole optimizer step, so splitting a batch into micro-batches never changes the 
 ``Policy.restore`` rebuilds the same adapter and optimizer state, so the step after a restart is
 the step the uninterrupted run would have taken.
 
-The parts live beside it: the adapter's shape and loading (``lora``), the optimizer state files
-(``optimizer_state``), memory-lean token logprobs (``logprobs``) and heap trimming (``memory``).
+The parts live beside it: what a step computes without the model (``step``: settings, group
+advantages, micro-batches, the loss), the adapter's shape and loading (``lora``), the optimizer
+state files (``optimizer_state``), memory-lean token logprobs (``logprobs``) and heap trimming (``memory``).
+
+Long module: one object's life (create or restore, an RL step, an SFT step, save) around one piece
+of state (the model, its adapter, its optimizer), read top to bottom; what needs no model is in
+``step``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import json
 import math
 import os
 import shutil
 import time
 import uuid
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
-from torch import Tensor
 
 from artery.schemas import TrainConfig, TrainSFTConfig, Trajectory
-from artery.services.trainer.advantages import group_advantages, is_degenerate
 from artery.services.trainer.logprobs import next_token_logprobs, token_logprobs
 from artery.services.trainer.lora import (
     DEFAULT_TARGET_MODULES,
     LoraSettings,
+    effective_lora,
     load_peft,
     load_unsloth,
     unsloth_available,
+    warm_start_lora,
 )
 from artery.services.trainer.losses import (
-    DEFAULT_OFF_POLICY_TIS_CAP,
-    LossConfig,
     LossFn,
     LossInputs,
     importance_stats,
     off_policy_inputs,
-    select_loss,
 )
 from artery.services.trainer.memory import release_freed_memory
 from artery.services.trainer.optimizer_state import (
@@ -68,15 +68,30 @@ from artery.services.trainer.optimizer_state import (
     unflatten_optimizer_state,
 )
 from artery.services.trainer.sequences import TrainingSequence, build_sequences, pad_batch, sft_sequences
+from artery.services.trainer.step import (
+    GroupPlan,
+    OptimSettings,
+    StepResult,
+    cached_loss,
+    chunks,
+    loss_config,
+    mean,
+    merge_updates,
+    plan_groups,
+    sft_loss,
+    trained_tokens,
+)
 
 #: Re-exported: where callers (tests, benchmarks) have always found them.
 __all__ = [
     "DEFAULT_TARGET_MODULES",
+    "GroupPlan",
     "LoraSettings",
     "OptimSettings",
     "Policy",
     "StepResult",
     "flatten_optimizer_state",
+    "loss_config",
     "next_token_logprobs",
     "plan_groups",
     "sft_loss",
@@ -90,125 +105,6 @@ OPTIMIZER_TENSORS = "optimizer.safetensors"
 OPTIMIZER_JSON = "optimizer.json"
 RNG_TENSORS = "rng.safetensors"
 CHECKPOINT_FORMAT = 1
-
-
-@dataclass(frozen=True, kw_only=True)
-class OptimSettings:
-    """AdamW as ART sets it for RL (betas (0.9, 0.99), weight decay 0.1); the learning rate comes with
-    each request. ART clips gradients at 0.1; 1.0 here, as TRL, unless the request says otherwise."""
-
-    betas: tuple[float, float] = (0.9, 0.99)
-    weight_decay: float = 0.1
-    eps: float = 1e-8
-    max_grad_norm: float = 1.0
-    #: Sequences per forward/backward pass; gradients accumulate over the optimizer step.
-    micro_batch_size: int = 8
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
-        if self.micro_batch_size < 1:
-            raise ValueError("micro_batch_size must be at least 1")
-        if self.max_grad_norm <= 0:
-            raise ValueError("max_grad_norm must be > 0")
-
-
-@dataclass(frozen=True, kw_only=True)
-class StepResult:
-    #: The policy version after this call: it advances even when nothing was trained (as ART).
-    step: int
-    #: Whether an optimizer step changed the adapter.
-    trained: bool
-    #: Why nothing was trained: ``no_groups``, ``all_groups_skipped``, ``no_trainable_sequences``
-    #: or ``non_finite_gradient``; None when trained.
-    skip_reason: str | None = None
-    metrics: dict[str, float] = field(default_factory=dict)
-
-
-# --------------------------------------------------------------------------- pure helpers
-
-
-@dataclass(frozen=True, kw_only=True)
-class GroupPlan:
-    """Advantages per trajectory, and the group-level counters of a step."""
-
-    advantages: list[list[float]]
-    metrics: dict[str, float]
-
-
-def plan_groups(groups: Sequence[Sequence[Trajectory]], *, scale_rewards: bool) -> GroupPlan:
-    """Group advantages; a group with equal rewards (or fewer than two rollouts) gets exact zeros."""
-    advantages: list[list[float]] = []
-    equal = too_small = 0
-    rewards_all: list[float] = []
-    stds: list[float] = []
-    for group in groups:
-        rewards = torch.tensor([t.reward for t in group], dtype=torch.float64)  # [G]
-        if not bool(torch.isfinite(rewards).all()):
-            raise ValueError("rewards must be finite")
-        rewards_all += rewards.tolist()
-        if rewards.numel():
-            stds.append(rewards.std(correction=0).item())
-        if rewards.numel() < 2:
-            too_small += 1
-        elif is_degenerate(rewards):
-            equal += 1
-        advantages.append(group_advantages(rewards, scale=scale_rewards).tolist())
-    metrics = {
-        "groups": float(len(groups)),
-        "groups_skipped_equal_rewards": float(equal),
-        "groups_skipped_too_small": float(too_small),
-        "reward_mean": _mean(rewards_all),
-        "reward_std": _mean(stds),  # mean within-group (population) std, as ART's reward_std_dev
-    }
-    return GroupPlan(advantages=advantages, metrics=metrics)
-
-
-def chunks(items: Sequence[TrainingSequence], size: int) -> Iterator[list[TrainingSequence]]:
-    for start in range(0, len(items), size):
-        yield list(items[start : start + size])
-
-
-def trained_tokens(sequence: TrainingSequence) -> int:
-    """Trained tokens of a sequence; position 0 is never predicted (``pad_batch`` shifts it away)."""
-    return sum(sequence.assistant_mask[1:])
-
-
-def sft_loss(logprobs: Tensor, mask: Tensor, num_tokens: float) -> Tensor:
-    """Supervised fine-tuning's cross-entropy: ``-sum(log p · mask) / num_tokens``.
-
-    ``logprobs`` [B,T-1] are the model's log-probabilities of the next tokens, ``mask`` [B,T-1] is 1
-    on the assistant tokens that are trained; ``num_tokens`` counts the trained tokens of the whole
-    batch (not of this micro-batch), so the micro-batches' losses add up to the batch's mean over
-    its assistant tokens. Positions outside the mask never contribute, whatever they hold.
-    """
-    picked = torch.where(mask > 0, logprobs, torch.zeros_like(logprobs))  # [B,T-1]
-    return -(picked * mask).sum() / num_tokens
-
-
-@functools.lru_cache(maxsize=16)
-def cached_loss(config: LossConfig) -> LossFn:
-    """A request picks its loss; the same configuration gets the same selected function."""
-    return select_loss(config)
-
-
-def loss_config(config: TrainConfig, *, max_seq_len: int, off_policy: bool = False) -> LossConfig:
-    tis = config.truncated_importance_sampling
-    if off_policy and tis is None:  # off-policy samples are always corrected, capped
-        tis = DEFAULT_OFF_POLICY_TIS_CAP
-    return LossConfig(
-        name=config.loss_fn,
-        epsilon=config.epsilon,
-        epsilon_high=config.epsilon_high,
-        # dr_grpo's constant normaliser: TRL uses max_completion_length; a step knows only the
-        # longest sequence it accepts (constant over a run, which is what matters).
-        max_completion_length=max_seq_len,
-        kl_coef=config.kl_penalty_coef,
-        truncated_importance_sampling=tis,
-    )
-
-
-def _mean(values: Sequence[float]) -> float:
-    return float(sum(values) / len(values)) if values else 0.0
 
 
 # --------------------------------------------------------------------------- the policy
@@ -259,24 +155,28 @@ class Policy:
     def create(
         cls,
         base_model_path: str | os.PathLike,
-        lora: LoraSettings = LoraSettings(),
+        lora: LoraSettings | None = None,
         optim: OptimSettings = OptimSettings(),
         *,
         device: str = "cpu",
         dtype: torch.dtype | str | None = None,
         seed: int = 0,
     ) -> Policy:
-        """A fresh adapter (LoRA B = 0, so the policy starts as the base model) on the base model."""
+        """A fresh adapter (LoRA B = 0, so the policy starts as the base model) on the base model;
+        on a PEFT adapter directory (a warm start), that adapter, trainable, in its own shape.
+        ``lora`` None: the default shape, or the warm start's."""
         from artery.shared.models import resolve_base_model
 
         path = resolve_base_model(str(base_model_path))
+        lora = effective_lora(path, lora)
+        warm = warm_start_lora(path) is not None
         torch_device = torch.device(device)
         torch_dtype = _dtype(dtype, torch_device)
         # LoRA A is drawn from the global RNG: a private fork keeps creation deterministic per seed
         # without disturbing anyone else's draws.
         with torch.random.fork_rng(devices=_cuda_devices(torch_device)):
             torch.manual_seed(seed)
-            if torch_device.type == "cuda" and unsloth_available():
+            if torch_device.type == "cuda" and not warm and unsloth_available():
                 model, tokenizer = load_unsloth(path, lora, torch_dtype, seed)
                 backend = "unsloth"
             else:
@@ -299,7 +199,7 @@ class Policy:
         cls,
         directory: str | os.PathLike,
         base_model_path: str | os.PathLike,
-        lora: LoraSettings = LoraSettings(),
+        lora: LoraSettings | None = None,
         optim: OptimSettings = OptimSettings(),
         *,
         device: str = "cpu",
@@ -315,6 +215,9 @@ class Policy:
                 f"{directory}: no {TRAINER_STATE} (not a checkpoint, or an incomplete one)"
             )
         state = json.loads(state_file.read_text())
+        from artery.shared.models import resolve_base_model
+
+        lora = effective_lora(resolve_base_model(str(base_model_path)), lora)
         saved_lora = state["lora"]
         shape = (saved_lora["rank"], saved_lora["alpha"], tuple(saved_lora["target_modules"]))
         if shape != (lora.rank, lora.alpha, lora.target_modules):
@@ -381,7 +284,7 @@ class Policy:
                 self._update(part, loss_fn, config, temperature=temperature, is_cap=is_cap)
                 for part in chunks(sequences, size)
             ]
-            metrics.update(_merge_updates(updates))
+            metrics.update(merge_updates(updates))
             if not any(u["applied"] for u in updates):
                 skip_reason = "non_finite_gradient"
             if self.device.type == "cpu":  # the activations lived in this process's heap
@@ -492,7 +395,7 @@ class Policy:
         metrics = {
             **counts,
             "batches": float(len(rates)),
-            "learning_rate": _mean(rates),
+            "learning_rate": mean(rates),
             "tokens_trained": float(sum(u["tokens"] for u in updates)),
         }
         skip_reason = None
@@ -503,7 +406,7 @@ class Policy:
         else:
             tokens = sum(u["tokens"] for u in updates)
             metrics["loss"] = sum(u["loss"] * u["tokens"] for u in updates) / tokens  # per token
-            metrics["grad_norm"] = _mean([u["grad_norm"] for u in updates])
+            metrics["grad_norm"] = mean([u["grad_norm"] for u in updates])
             metrics["optimizer_steps"] = float(sum(u["applied"] for u in updates))
             if not any(u["applied"] for u in updates):
                 skip_reason = "non_finite_gradient"
@@ -606,23 +509,6 @@ class Policy:
 
 
 # --------------------------------------------------------------------------- internals
-
-
-def _merge_updates(updates: list[dict[str, float]]) -> dict[str, float]:
-    tokens = sum(u["tokens"] for u in updates)
-    merged = {
-        "loss": _mean([u["loss"] for u in updates]),
-        "grad_norm": _mean([u["grad_norm"] for u in updates]),
-        "ratio_mean": sum(u["ratio_sum"] for u in updates) / tokens,
-        "clip_fraction": sum(u["clip_sum"] for u in updates) / tokens,
-        "optimizer_steps": float(sum(u["applied"] for u in updates)),
-    }
-    if "kl_sum" in updates[0]:
-        merged["kl_mean"] = sum(u["kl_sum"] for u in updates) / tokens
-    if "is_ratio_sum" in updates[0]:
-        merged["offpolicy/is_ratio_mean"] = sum(u["is_ratio_sum"] for u in updates) / tokens
-        merged["offpolicy/is_truncated_fraction"] = sum(u["is_truncated_sum"] for u in updates) / tokens
-    return merged
 
 
 def _dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:

@@ -7,9 +7,9 @@ trajectories, ART's ``train_sft``). Both take the same path and get the same ans
 Around every step: wait until the request's groups are stored, pause every inference replica of
 the model (a lease, renewed while training), train, save the adapter and the optimizer state,
 publish ``checkpoint.saved``, record the step, advance the model's step in the registry, resume
-inference, and answer with ``train.completed``. A redelivered request is answered from the
-record (or from the checkpoint it already produced) and never trains twice; a trainer that dies
-mid-step leaves inference paused no longer than the lease.
+inference, and answer with ``train.completed`` (what a step announces is in ``announce.py``). A
+redelivered request is answered from the record (or from the checkpoint it already produced) and
+never trains twice; a trainer that dies mid-step leaves inference paused no longer than the lease.
 
 Tracing: each request is handled in a ``trainer.step`` span, the child of the span that published
 ``train.requested`` (the SDK's ``train()``), with a link to every group's submission (the
@@ -22,7 +22,6 @@ import asyncio
 import contextlib
 import math
 import time
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -32,7 +31,6 @@ from nats.aio.msg import Msg
 from opentelemetry import trace
 
 from artery.schemas import (
-    CheckpointSaved,
     ModelRecord,
     TrainCompleted,
     TrainFailed,
@@ -40,19 +38,19 @@ from artery.schemas import (
     TrainRequested,
     TrainSFTRequested,
 )
-from artery.services.trainer import checkpoints
+from artery.services.trainer import announce, checkpoints
+from artery.services.trainer.announce import request_event_id as request_event_id  # tests name it here
 from artery.services.trainer.settings import TrainerSettings
 from artery.services.trainer.staleness import drop_stale
 from artery.services.trainer.store import completed_step, load_groups, record_step, stored_group_ids
 from artery.shared import subjects
-from artery.shared.bus import CONTENT_TYPE, derived_id, publish_event
+from artery.shared.bus import CONTENT_TYPE
 from artery.shared.codec import EventDecoder
 from artery.shared.consumer import ConsumerOptions, ConsumingService, DurableConsumer
 from artery.shared.control_client import PauseFailed, paused
 from artery.shared.db import ServicePool
 from artery.shared.errors import DependencyUnavailable, InvalidMessage
 from artery.shared.logs import get_logger
-from artery.shared.metrics import PAUSE_SECONDS, STEP_SECONDS, TRAINER_TOKENS, TRAINER_TOKENS_PER_SECOND
 from artery.shared.registry import read_record
 from artery.shared.tracing import continue_trace, extract_links, tracer
 from artery.shared.wakeup import woken_by
@@ -60,22 +58,9 @@ from artery.shared.wakeup import woken_by
 log = get_logger(__name__)
 SERVICE = "trainer"
 TRAINER_CONSUMER = "trainer"
-_IDS = uuid.UUID("5b2d8f0e-6a1c-4f4e-9d55-747261696e21")
 #: A request waiting for its groups reads PostgreSQL again at least this often (see woken_by).
 GROUP_RECHECK_S = 2.0
 _decoder = EventDecoder(TrainRequest)
-
-
-def request_event_id(kind: str, request: TrainRequest) -> str:
-    """Ids of the events a request causes, the same on every redelivery (JetStream de-dupes) and
-    scoped to the request's model: another project's request under the same id causes others
-    (the publisher keys checkpoints on the ``checkpoint.saved`` id)."""
-    return derived_id(_IDS, request.project, request.model, f"{kind}:{request.id}")
-
-
-def finite(metrics: dict) -> dict[str, float]:
-    """Numeric metrics that JSON can carry: a NaN loss (a skipped, non-finite step) is left out."""
-    return {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and math.isfinite(v)}
 
 
 @contextlib.asynccontextmanager
@@ -191,22 +176,22 @@ class Trainer(ConsumingService):
                     original_id=request.id,
                 )
             # A crash between recording the step and advancing the registry left it behind.
-            await self._advance_registry(request, step)
-            return await self._complete(request, step, metrics)
+            await announce.advance_registry(self.js, request, step)
+            return await announce.complete(self.js, request, step, metrics)
         record = await self._model_record(request)
         try:
             groups = await self._wait_for_groups(request)
         except GroupsNotStored as exc:
-            return await self._fail(request, str(exc), retriable=True)
+            return await announce.fail(self.js, request, str(exc), retriable=True)
         if isinstance(request, TrainSFTRequested):
             try:  # a schedule of learning rates must have one per batch: never trainable as sent
                 request.config.learning_rates(sum(len(g) for g in groups))
             except ValueError as exc:
-                return await self._fail(request, str(exc), retriable=False)
+                return await announce.fail(self.js, request, str(exc), retriable=False)
         try:
             return await self._train(request, record, groups)
         except checkpoints.LoraChanged as exc:  # asking again cannot help: the agent must hear why
-            return await self._fail(request, str(exc), retriable=False)
+            return await announce.fail(self.js, request, str(exc), retriable=False)
 
     async def _model_record(self, request: TrainRequest) -> ModelRecord:
         found = await read_record(
@@ -277,7 +262,7 @@ class Trainer(ConsumingService):
                     "replicas_paused": float(len(lease.outcome.acked)) if lease is not None else 0.0,
                 }
             self.policies.advance(record, new_step)
-        await self._publish_checkpoint(request, record, new_step, metrics)
+        await announce.publish_checkpoint(self.js, self.settings, request, record, new_step, metrics)
         async with self.db.connection() as conn:
             await record_step(
                 conn,
@@ -289,9 +274,9 @@ class Trainer(ConsumingService):
                 trained=bool(metrics.get("trained", 1.0)),
                 metrics=metrics,
             )
-        await self._advance_registry(request, new_step)
+        await announce.advance_registry(self.js, request, new_step)
         metrics["step_total_s"] = time.monotonic() - started
-        _observe(metrics)
+        announce.observe(metrics)
         span = trace.get_current_span()
         span.set_attribute("artery.step", new_step)
         for key in ("loss", "reward_mean", "trained"):
@@ -305,7 +290,7 @@ class Trainer(ConsumingService):
             loss=metrics.get("loss"),
             reward_mean=metrics.get("reward_mean"),
         )
-        return await self._complete(request, new_step, metrics)
+        return await announce.complete(self.js, request, new_step, metrics)
 
     def _hold_inference(self, request: TrainRequest):
         """A synchronous step pauses every replica while it trains (an async context yielding the
@@ -350,73 +335,6 @@ class Trainer(ConsumingService):
         )
         return result, extra
 
-    async def _publish_checkpoint(
-        self, request: TrainRequest, record: ModelRecord, step: int, metrics
-    ) -> None:
-        path, sha256, size = await asyncio.to_thread(checkpoints.packed_adapter, self.settings, record, step)
-        await publish_event(
-            self.js,
-            subjects.checkpoint("saved", request.project, request.model),
-            CheckpointSaved(
-                id=request_event_id("saved", request),
-                project=request.project,
-                model=request.model,
-                step=step,
-                uri=path.resolve().as_uri(),
-                sha256=sha256,
-                size_bytes=size,
-                base_model=record.base_model,
-                metrics=finite(metrics),
-            ),
-        )
-
-    async def _advance_registry(self, request: TrainRequest, step: int) -> None:
-        """The model's step in the registry, compare-and-set so a concurrent register keeps its fields."""
-        kv = await self.js.key_value(subjects.MODELS_BUCKET)
-        key = subjects.model_key(request.project, request.model)
-        for _ in range(10):
-            found = await read_record(kv, request.project, request.model)
-            if found is None:  # deleted or overwritten with garbage since: nothing to advance
-                return
-            if found.record.step >= step:
-                return
-            try:
-                await kv.update(
-                    key,
-                    msgspec.json.encode(msgspec.structs.replace(found.record, step=step)),
-                    found.revision,
-                )
-                return
-            except Exception:  # someone wrote in between: read again
-                await asyncio.sleep(0.05)
-        raise DependencyUnavailable("could not advance the model's step in the registry")
-
-    async def _complete(self, request: TrainRequest, step: int, metrics: dict) -> TrainCompleted:
-        event = TrainCompleted(
-            id=request_event_id("completed", request),
-            project=request.project,
-            model=request.model,
-            step=step,
-            request_id=request.id,
-            metrics=finite(metrics),
-            checkpoint=f"{request.model}@{step}",
-        )
-        await publish_event(self.js, subjects.train("completed", request.project, request.model), event)
-        return event
-
-    async def _fail(self, request: TrainRequest, error: str, *, retriable: bool) -> TrainFailed:
-        log.warning("train request failed", request_id=request.id, error=error)
-        event = TrainFailed(
-            id=request_event_id("failed", request),
-            project=request.project,
-            model=request.model,
-            request_id=request.id,
-            error=error,
-            retriable=retriable,
-        )
-        await publish_event(self.js, subjects.train("failed", request.project, request.model), event)
-        return event
-
 
 def is_off_policy(request: TrainRequest) -> bool:
     """Asynchronous mode: the GRPO request names how stale its samples may be."""
@@ -425,15 +343,3 @@ def is_off_policy(request: TrainRequest) -> bool:
 
 def model_dir(settings: TrainerSettings, project: str, model: str) -> Path:
     return Path(settings.checkpoint_dir) / project / model
-
-
-def _observe(metrics: dict[str, float]) -> None:
-    """A finished step's figures for ``/metrics``."""
-    STEP_SECONDS.observe(metrics["step_total_s"])
-    if "pause_s" in metrics:
-        PAUSE_SECONDS.labels("trainer").observe(metrics["pause_s"])
-    tokens, seconds = metrics.get("tokens_trained"), metrics.get("step_time_s")
-    if isinstance(tokens, int | float) and math.isfinite(tokens):
-        TRAINER_TOKENS.inc(tokens)
-        if isinstance(seconds, int | float) and seconds > 0:
-            TRAINER_TOKENS_PER_SECOND.set(tokens / seconds)

@@ -13,6 +13,10 @@ request whose ``n`` alone exceeds ``max_batch_size`` runs as a batch of its own.
 What a completion holds: every sampled token id, the end-of-sequence token included (the model
 produced it and a trainer must score it); per-token logprobs as documented in ``sampling``; text
 decoded without special tokens and cut before the first stop string (see ``stops``).
+
+Long module: the scheduler and the model thread share the batch's state (admission, decode steps,
+adapter switches, sleep); split, each rule above would be read in two places. Sampling, stops and
+LoRA loading are beside it (``sampling``, ``stops``, ``lora``).
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ from artery.services.inference.engine.decode import DecodeContext, DecodeStats, 
 from artery.services.inference.engine.lora import LoraSet
 from artery.services.inference.engine.sampling import completion_seed
 from artery.services.inference.engine.stops import first_stop
+from artery.shared.metrics import count_generated
+from artery.shared.models import warm_start
 
 log = logging.getLogger(__name__)
 
@@ -121,13 +127,17 @@ class TransformersEngine:
         if dtype is None:
             on_gpu = self._device.type == "cuda"
             dtype = torch.bfloat16 if on_gpu and torch.cuda.is_bf16_supported() else torch.float32
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        # A PEFT adapter directory as the model (a warm start): its base, with it as step 0.
+        warm = warm_start(self.model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(warm.tokenizer_path() if warm else self.model_path)
         # The model thread decodes (stop strings) while the event loop encodes prompts: a Rust
         # tokenizer shared between threads can fail with "Already borrowed", so each has its own.
         self._thread_tokenizer = copy.deepcopy(self.tokenizer)
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(
+            warm.base_path() if warm else self.model_path, dtype=dtype
+        )
         model.to(self._device).eval()
-        self._lora = LoraSet(model)
+        self._lora = LoraSet(model, warm.adapter_dir if warm else None)
         config = model.config
         self.max_context = self._max_context_arg or int(config.max_position_embeddings)
         self._vocab_size = int(config.vocab_size)
@@ -206,6 +216,7 @@ class TransformersEngine:
                 item = await job.queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                count_generated(len(item))
                 for step in item:
                     if step.finish_reason is not None:
                         job.open_rows -= 1

@@ -1,0 +1,131 @@
+"""What a training step tells the world: ``checkpoint.saved``, the model's step in the registry,
+``train.completed`` or ``train.failed``, and the step's figures on ``/metrics``.
+
+Every event a request causes has an id derived from the request's, so a redelivered request
+publishes the same events again and JetStream drops the repeats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import uuid
+
+import msgspec
+from nats.js import JetStreamContext
+
+from artery.schemas import CheckpointSaved, ModelRecord, TrainCompleted, TrainFailed, TrainRequest
+from artery.services.trainer import checkpoints
+from artery.services.trainer.settings import TrainerSettings
+from artery.shared import subjects
+from artery.shared.bus import derived_id, publish_event
+from artery.shared.errors import DependencyUnavailable
+from artery.shared.logs import get_logger
+from artery.shared.metrics import PAUSE_SECONDS, STEP_SECONDS, TRAINER_TOKENS, TRAINER_TOKENS_PER_SECOND
+from artery.shared.registry import read_record
+
+log = get_logger(__name__)
+_IDS = uuid.UUID("5b2d8f0e-6a1c-4f4e-9d55-747261696e21")
+
+
+def request_event_id(kind: str, request: TrainRequest) -> str:
+    """Ids of the events a request causes, the same on every redelivery (JetStream de-dupes) and
+    scoped to the request's model: another project's request under the same id causes others
+    (the publisher keys checkpoints on the ``checkpoint.saved`` id)."""
+    return derived_id(_IDS, request.project, request.model, f"{kind}:{request.id}")
+
+
+def finite(metrics: dict) -> dict[str, float]:
+    """Numeric metrics that JSON can carry: a NaN loss (a skipped, non-finite step) is left out."""
+    return {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and math.isfinite(v)}
+
+
+async def publish_checkpoint(
+    js: JetStreamContext,
+    settings: TrainerSettings,
+    request: TrainRequest,
+    record: ModelRecord,
+    step: int,
+    metrics: dict,
+) -> None:
+    """``checkpoint.saved`` for the step's packed adapter (the publisher stores and announces it)."""
+    path, sha256, size = await asyncio.to_thread(checkpoints.packed_adapter, settings, record, step)
+    await publish_event(
+        js,
+        subjects.checkpoint("saved", request.project, request.model),
+        CheckpointSaved(
+            id=request_event_id("saved", request),
+            project=request.project,
+            model=request.model,
+            step=step,
+            uri=path.resolve().as_uri(),
+            sha256=sha256,
+            size_bytes=size,
+            base_model=record.base_model,
+            metrics=finite(metrics),
+        ),
+    )
+
+
+async def advance_registry(js: JetStreamContext, request: TrainRequest, step: int) -> None:
+    """The model's step in the registry, compare-and-set so a concurrent register keeps its fields."""
+    kv = await js.key_value(subjects.MODELS_BUCKET)
+    key = subjects.model_key(request.project, request.model)
+    for _ in range(10):
+        found = await read_record(kv, request.project, request.model)
+        if found is None:  # deleted or overwritten with garbage since: nothing to advance
+            return
+        if found.record.step >= step:
+            return
+        try:
+            await kv.update(
+                key,
+                msgspec.json.encode(msgspec.structs.replace(found.record, step=step)),
+                found.revision,
+            )
+            return
+        except Exception:  # someone wrote in between: read again
+            await asyncio.sleep(0.05)
+    raise DependencyUnavailable("could not advance the model's step in the registry")
+
+
+async def complete(js: JetStreamContext, request: TrainRequest, step: int, metrics: dict) -> TrainCompleted:
+    """``train.completed``: the request's answer (the same id on every redelivery)."""
+    event = TrainCompleted(
+        id=request_event_id("completed", request),
+        project=request.project,
+        model=request.model,
+        step=step,
+        request_id=request.id,
+        metrics=finite(metrics),
+        checkpoint=f"{request.model}@{step}",
+    )
+    await publish_event(js, subjects.train("completed", request.project, request.model), event)
+    return event
+
+
+async def fail(js: JetStreamContext, request: TrainRequest, error: str, *, retriable: bool) -> TrainFailed:
+    """``train.failed``: ``retriable`` says whether asking again can help."""
+    log.warning("train request failed", request_id=request.id, error=error)
+    event = TrainFailed(
+        id=request_event_id("failed", request),
+        project=request.project,
+        model=request.model,
+        request_id=request.id,
+        error=error,
+        retriable=retriable,
+    )
+    await publish_event(js, subjects.train("failed", request.project, request.model), event)
+    return event
+
+
+def observe(metrics: dict[str, float]) -> None:
+    """A finished step's figures for ``/metrics``."""
+    STEP_SECONDS.observe(metrics["step_total_s"])
+    if "pause_s" in metrics:
+        PAUSE_SECONDS.labels("trainer").observe(metrics["pause_s"])
+    tokens, seconds = metrics.get("tokens_trained"), metrics.get("step_time_s")
+    if isinstance(tokens, int | float) and math.isfinite(tokens):
+        TRAINER_TOKENS.inc(tokens)
+        if isinstance(seconds, int | float) and seconds > 0:
+            TRAINER_TOKENS_PER_SECOND.set(tokens / seconds)
