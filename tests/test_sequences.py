@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 
@@ -18,11 +20,12 @@ from artery.schemas import (
     ToolCall,
     Trajectory,
 )
+from artery.services.inference.chat import decode_request, render_prompt
+from artery.services.trainer.conversation import tokenize_conversation
 from artery.services.trainer.sequences import (
     TrainingSequence,
     build_sequences,
     pad_batch,
-    tokenize_conversation,
     trajectory_sequences,
 )
 
@@ -85,28 +88,37 @@ def test_sampled_tokens_are_spliced_verbatim(tok: Any) -> None:
         tok, [{"role": "system", "content": "be brief"}, {"role": "user", "content": "say hello"}]
     )
     n = len(prompt)
-    # prompt, then exactly the sampled ids (stop token once), then the template's trailing newline
-    assert seq.input_ids == [*prompt, *sample.token_ids, *tok.encode("\n", add_special_tokens=False)]
-    assert seq.assistant_mask == [0] * n + [1] * 6 + [0]
+    # the engine's prompt, then exactly the sampled ids (stop token once): the sequence ends there
+    assert seq.input_ids == [*prompt, *sample.token_ids]
+    assert seq.assistant_mask == [0] * n + [1] * 6
     assert seq.old_logprobs[n : n + 6] == sample.logprobs
     assert all(math.isnan(lp) for i, lp in enumerate(seq.old_logprobs) if not n <= i < n + 6)
     assert seq.input_ids.count(end_id(tok)) == 3  # system, user, assistant: no duplicate end token
 
 
-def test_sample_cut_by_length_keeps_the_template_end_untrained(tok: Any) -> None:
+def test_a_sample_cut_by_length_is_continued_by_the_template_end_untrained(tok: Any) -> None:
     sample = sample_of(tok, "the answer is", stop=False)  # finish_reason "length": no stop token
-    trajectory = Trajectory(
-        messages=[
-            Message(role="user", content="what is it"),
-            Message(role="assistant", content="x", sample=sample),
-        ]
-    )
-    seq = one(tok, trajectory)
+    answer = sample_of(tok, "done")
+    messages = [
+        Message(role="user", content="what is it"),
+        Message(role="assistant", content="the answer is", sample=sample),
+    ]
+    seq = one(tok, Trajectory(messages=messages))
     n = len(engine_prompt(tok, [{"role": "user", "content": "what is it"}]))
     k = len(sample.token_ids)
-    assert seq.input_ids[n : n + k] == sample.token_ids
-    assert seq.input_ids[n + k] == end_id(tok)  # the template closes the turn, untrained
+    assert seq.input_ids[n:] == sample.token_ids  # the last trained turn ends the sequence
+    assert seq.assistant_mask == [0] * n + [1] * k
+
+    # A later turn: its prompt closes the cut turn with the template's end token, which is context.
+    later = [
+        *messages,
+        Message(role="user", content="go on"),
+        Message(role="assistant", content="done", sample=answer),
+    ]
+    seq = one(tok, Trajectory(messages=later))
+    assert seq.input_ids[n : n + k + 1] == [*sample.token_ids, end_id(tok)]
     assert seq.assistant_mask[n : n + k + 1] == [1] * k + [0]
+    assert trained(seq) == [*sample.token_ids, *answer.token_ids]
 
 
 def test_multi_turn_tool_calls_mask_only_assistant_tokens(tok: Any) -> None:
@@ -168,13 +180,114 @@ def test_multi_turn_tool_calls_mask_only_assistant_tokens(tok: Any) -> None:
         {"role": "tool", "tool_call_id": "call_1", "content": '{"result": 5}'},
     ]
     second = engine_prompt(tok, history, openai_tools)
-    assert seq.input_ids[: len(second)] == second
-    assert seq.input_ids[len(second) :] == [
-        *answer_sample.token_ids,
-        *tok.encode("\n", add_special_tokens=False),
-    ]
+    assert seq.input_ids == [*second, *answer_sample.token_ids]
     assert "thanks" not in tok.decode(seq.input_ids)
     assert "<tool_response>" in tok.decode(seq.input_ids)  # the tool result is context, untrained
+
+
+def inference_prompt(tok: Any, body: dict[str, Any]) -> list[int]:
+    """The prompt the inference service renders for a chat request body (its own code path)."""
+    request = decode_request(json.dumps({"model": "m", **body}).encode())
+    return render_prompt(tok, request, max_context=4096)
+
+
+ADD = {"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {}}}}
+
+
+def test_a_turn_whose_prompt_does_not_continue_the_turn_before_starts_its_own_sequence(tok: Any) -> None:
+    # The model wrote its call compactly; the template re-renders the parsed call with tojson's
+    # spacing, so the engine's prompt for the answer holds other tokens than the sampled call.
+    call_sample = sample_of(tok, '<tool_call>\n{"name":"add","arguments":{"a":2,"b":3}}\n</tool_call>')
+    answer_sample = sample_of(tok, "5", start=0.9)
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a":2,"b":3}'}}
+    history = [
+        {"role": "user", "content": "what is 2 + 3?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "5"},
+    ]
+    trajectory = Trajectory(
+        messages=[
+            Message(role="user", content="what is 2 + 3?"),
+            Message(role="assistant", tool_calls=[msgspec.convert(call, ToolCall)], sample=call_sample),
+            Message(role="tool", tool_call_id="call_1", content="5"),
+            Message(role="assistant", content="5", sample=answer_sample),
+        ],
+        tools=[msgspec.convert(ADD, Tool)],
+    )
+    sequences, report = build_sequences([[trajectory]], [[1.0]], tok, max_seq_len=4096)
+
+    first = inference_prompt(tok, {"messages": history[:1], "tools": [ADD]})
+    second = inference_prompt(tok, {"messages": history, "tools": [ADD]})
+    assert second[: len(first) + len(call_sample.token_ids)] != first + call_sample.token_ids
+    assert [s.input_ids for s in sequences] == [
+        first + call_sample.token_ids,
+        second + answer_sample.token_ids,
+    ]
+    assert [trained(s) for s in sequences] == [call_sample.token_ids, answer_sample.token_ids]
+    assert [s.part_index for s in sequences] == [0, 1]
+    assert report.split == 1 and report.counts()["sequences_split"] == 1
+
+
+def test_sampled_ids_the_template_would_tokenise_otherwise_split_the_conversation(tok: Any) -> None:
+    letters = [tok.convert_tokens_to_ids(c) for c in "hello"]  # "hello", letter by letter
+    first = Sample(token_ids=[*letters, end_id(tok)], logprobs=[-0.1] * 6)
+    second = sample_of(tok, "bye")
+    trajectory = Trajectory(
+        messages=[
+            Message(role="user", content="say hello"),
+            Message(role="assistant", content="hello", sample=first),
+            Message(role="user", content="say bye"),
+            Message(role="assistant", content="bye", sample=second),
+        ]
+    )
+    sequences, report = build_sequences([[trajectory]], [[1.0]], tok, max_seq_len=4096)
+    prompts = [
+        inference_prompt(tok, {"messages": [{"role": "user", "content": "say hello"}]}),
+        inference_prompt(
+            tok,
+            {
+                "messages": [
+                    {"role": "user", "content": "say hello"},
+                    {"role": "assistant", "content": "hello"},
+                    {"role": "user", "content": "say bye"},
+                ]
+            },
+        ),
+    ]
+    assert [s.input_ids for s in sequences] == [prompts[0] + first.token_ids, prompts[1] + second.token_ids]
+    assert [trained(s) for s in sequences] == [first.token_ids, second.token_ids]
+    assert report.split == 1
+
+
+def test_trainer_and_inference_refuse_the_same_conversations(tok: Any) -> None:
+    from artery.services.inference.openai_types import ApiError
+
+    answer = sample_of(tok, "ok")
+    image = {"type": "image_url", "image_url": {"url": "data:,x"}}
+    with_image = Trajectory(
+        messages=[
+            msgspec.convert({"role": "user", "content": [image]}, Message),
+            Message(role="assistant", content="ok", sample=answer),
+        ]
+    )
+    _, report = build_sequences([[with_image]], [[1.0]], tok, max_seq_len=4096)
+    assert [d.reason for d in report.dropped] == ["unsupported_content"]
+    with pytest.raises(ApiError) as refused:
+        inference_prompt(tok, {"messages": [{"role": "user", "content": [image]}]})
+    error = refused.value.body.error
+    assert refused.value.status == 400 and error.param == "messages[0]" and "image_url" in error.message
+
+    # Template variables may not set what the renderer sets itself, nor replace the template.
+    for variables in ({"tools": 1}, {"chat_template": "{{ 'x' * 1000000000 }}"}):
+        name = next(iter(variables))
+        _, report = build_sequences(
+            [[_qa(tok)]], [[1.0]], tok, max_seq_len=4096, chat_template_kwargs=variables
+        )
+        assert [d.reason for d in report.dropped] == ["template"] and name in report.dropped[0].detail
+        user = [{"role": "user", "content": "hi"}]
+        with pytest.raises(ApiError) as refused:
+            inference_prompt(tok, {"messages": user, "chat_template_kwargs": variables})
+        assert refused.value.status == 400 and name in refused.value.body.error.message
 
 
 def test_assistant_messages_without_sample(tok: Any) -> None:
@@ -269,6 +382,7 @@ def test_too_long_is_cut_or_dropped(tok: Any) -> None:
         "trajectories_used": 0,
         "sequences": 0,
         "sequences_cut": 0,
+        "sequences_split": 0,
         "dropped/too_long": 1,
     }
 
@@ -317,7 +431,7 @@ def test_additional_histories_are_their_own_sequences(tok: Any) -> None:
         ),
         History(messages=[Message(role="user", content="nothing to train")]),
     ]
-    sequences, cuts, dropped = trajectory_sequences(
+    sequences, cuts, dropped, split = trajectory_sequences(
         trajectory, -0.75, tok, max_seq_len=4096, group_index=3, trajectory_index=4
     )
     assert [(s.history_index, s.advantage, s.group_index, s.trajectory_index) for s in sequences] == [
@@ -326,7 +440,7 @@ def test_additional_histories_are_their_own_sequences(tok: Any) -> None:
     ]
     assert trained(sequences[1]) == sub.token_ids
     assert "you are a helper" in tok.decode(sequences[1].input_ids)
-    assert cuts == []
+    assert cuts == [] and split == 0
     assert [(d.history_index, d.reason) for d in dropped] == [(2, "no_trainable_message")]
 
 
@@ -334,7 +448,7 @@ def test_tokenize_conversation_is_deterministic(tok: Any) -> None:
     trajectory = _qa(tok)
     a = tokenize_conversation(trajectory.messages, None, tok)
     b = tokenize_conversation(trajectory.messages, None, tok)
-    assert a.input_ids == b.input_ids and a.assistant_mask == b.assistant_mask
+    assert len(a) == 1 and a[0].input_ids == b[0].input_ids and a[0].assistant_mask == b[0].assistant_mask
 
 
 # --------------------------------------------------------------------------- padding and shifting

@@ -9,16 +9,13 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgspec
 
 from artery.services.inference.engine.base import Completion, SamplingParams
 from artery.services.inference.openai_types import (
-    ApiError,
     ChatCompletionRequest,
-    ChatMessage,
     Choice,
     ChoiceLogprobs,
     LogprobEntry,
@@ -27,7 +24,7 @@ from artery.services.inference.openai_types import (
     invalid_request,
 )
 from artery.services.inference.tools import parse_tool_calls
-from artery.shared.chat_template import render_message, render_tools
+from artery.shared.chat_template import ChatInput, ChatTemplateError, UnsupportedContent
 from artery.shared.codec import json_leaves
 
 #: OpenAI's stand-in for a logprob of minus infinity (JSON has no infinities).
@@ -61,48 +58,28 @@ def decode_request(body: bytes) -> ChatCompletionRequest:
 # --------------------------------------------------------------------------- the prompt
 
 
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as chat templates expect them (see ``shared.chat_template``)."""
-    return [render_message(message, _text(message, i)) for i, message in enumerate(messages)]
-
-
-def _text(message: ChatMessage, index: int) -> str:
-    if message.content is None:
-        return ""
-    if isinstance(message.content, str):
-        return message.content
-    parts = []
-    for part in message.content:
-        if part.type != "text" or part.text is None:
-            raise invalid_request(f"only text content is supported, not {part.type!r}", f"messages[{index}]")
-        parts.append(part.text)
-    return "".join(parts)
-
-
 def render_prompt(tokenizer: Any, request: ChatCompletionRequest, max_context: int) -> list[int]:
-    """The prompt's token ids; one whose text obviously exceeds ``max_context`` is a 400 before
-    it is tokenised (see ``MAX_CHARS_PER_TOKEN``)."""
-    messages = template_messages(request.messages)
-    tools = render_tools(request.tools)
-    kwargs = {**(request.chat_template_kwargs or {}), "add_generation_prompt": True}
-    limit = max_context * MAX_CHARS_PER_TOKEN
+    """The prompt's token ids, rendered by ``shared.chat_template`` as the trainer renders each
+    turn's prompt; one whose text obviously exceeds ``max_context`` is a 400 before it is
+    tokenised (see ``MAX_CHARS_PER_TOKEN``)."""
     try:
+        chat = ChatInput.of(request.messages, request.tools, request.chat_template_kwargs)
+        limit = max_context * MAX_CHARS_PER_TOKEN
         # What goes in is a cheap first measure; a template may drop some of it (earlier turns'
         # reasoning), so only the rendered text, rendered once more without tokenising, decides.
-        if _text_length([messages, tools]) > limit:
-            text = tokenizer.apply_chat_template(messages, tools=tools, **{**kwargs, "tokenize": False})
+        if _text_length([chat.messages, chat.tools]) > limit:
+            text = chat.text(tokenizer, add_generation_prompt=True)
             if isinstance(text, str) and len(text) > limit:
                 raise _too_long(
                     f"This model's maximum context length is {max_context} tokens, and your messages "
                     f"render to {len(text)} characters, more than {max_context} tokens can hold. "
                     "Please reduce the length of the messages."
                 )
-        rendered = tokenizer.apply_chat_template(messages, tools=tools, **{**kwargs, "tokenize": True})
-    except ApiError:
-        raise
-    except Exception as exc:  # a template that raises (roles must alternate...) rejects this request
+        return chat.prompt_token_ids(tokenizer)
+    except UnsupportedContent as exc:
+        raise invalid_request(str(exc), f"messages[{exc.index}]") from None
+    except ChatTemplateError as exc:  # a template that raises (roles must alternate...) rejects this request
         raise invalid_request(f"could not apply the chat template: {exc}", "messages") from None
-    return _token_ids(rendered)
 
 
 def _text_length(value: Any) -> int:
@@ -125,17 +102,6 @@ def check_logit_bias(request: ChatCompletionRequest, tokenizer: Any) -> None:
             f"`logit_bias` names token id {outside[0]}, outside the vocabulary (ids 0 to {vocabulary - 1})",
             "logit_bias",
         )
-
-
-def _token_ids(rendered: Any) -> list[int]:
-    # transformers returns a BatchEncoding (v5 default), a list of ids, or a batch of one.
-    if isinstance(rendered, Mapping):
-        rendered = rendered["input_ids"]
-    if hasattr(rendered, "tolist"):
-        rendered = rendered.tolist()
-    if rendered and isinstance(rendered[0], Sequence):
-        rendered = rendered[0]
-    return [int(token) for token in rendered]
 
 
 def sampling_params(
