@@ -3,19 +3,28 @@
 ``shared.runtime.run_service`` starts the endpoint for every service (collector, reward,
 trainer, publisher, inference, console) on ``ARTERY_<SERVICE>_METRICS_PORT`` (default 0: a free
 port; ``-1``: none) at ``ARTERY_METRICS_HOST`` (default 127.0.0.1), and every log line of the
-process, ``ready`` included, then carries ``metrics_url`` (``Stack`` reads it from there).
+process, ``ready`` included, then carries ``metrics_url`` (``Stack`` reads it from there). The
+same server answers ``/healthz`` and ``/readyz`` (``shared.health``): what compose's health
+checks ask.
 Message outcomes and consumer lag are counted in ``shared.consumer``, the one place where
 outcomes are decided; services add their own below.
 """
 
 from __future__ import annotations
 
+import collections
 import os
+import socket
+import threading
+import time
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import structlog
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram, make_wsgi_app
 
 from artery.shared.errors import ConfigError
+from artery.shared.health import wsgi_health
 
 # Every durable consumer (shared.consumer).
 MESSAGES = Counter(
@@ -57,14 +66,71 @@ PAUSE_SECONDS = Histogram(
     buckets=(0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
 )
 # inference
-REPLICA_QUEUE_DEPTH = Gauge("artery_inference_queue_depth", "requests admitted and not finished")
+REPLICA_QUEUE_DEPTH = Gauge(
+    "artery_inference_queue_depth",
+    "chat completions the replica holds: waiting (pause gate, engine queue) or generating",
+)
 GENERATED_TOKENS = Counter(
     "artery_inference_generated_tokens", "completion tokens generated (rate(): tokens/s)"
 )
 
 
+class TokenRate:
+    """Tokens per second over the last ``window_s`` seconds, read when scraped.
+
+    ``rate(artery_inference_generated_tokens_total[1m])`` is what a Prometheus query should use;
+    this gauge is for whoever reads ``/metrics`` with no Prometheus behind it (a glance, a test).
+    """
+
+    def __init__(self, window_s: float = 10.0) -> None:
+        self.window_s = window_s
+        self._lock = threading.Lock()
+        self._events: collections.deque[tuple[float, int]] = collections.deque()
+
+    def add(self, tokens: int) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self._events.append((now, tokens))
+            self._trim(now)
+
+    def value(self) -> float:
+        now = time.monotonic()
+        with self._lock:
+            self._trim(now)
+            return sum(n for _, n in self._events) / self.window_s
+
+    def _trim(self, now: float) -> None:
+        while self._events and self._events[0][0] < now - self.window_s:
+            self._events.popleft()
+
+
+_TOKEN_RATE = TokenRate()
+INFERENCE_TOKENS_PER_SECOND = Gauge(
+    "artery_inference_tokens_per_second",
+    f"completion tokens generated per second over the last {_TOKEN_RATE.window_s:g} s",
+)
+INFERENCE_TOKENS_PER_SECOND.set_function(_TOKEN_RATE.value)
+
+
+def count_generated(tokens: int) -> None:
+    """``tokens`` completion tokens sampled by an engine (both engines call this)."""
+    if tokens > 0:
+        GENERATED_TOKENS.inc(tokens)
+        _TOKEN_RATE.add(tokens)
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True  # a scrape in progress never holds the process up at exit
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format, *args) -> None:
+        pass  # one access line per scrape would drown the service's own log
+
+
 def start_metrics_server(service: str) -> str | None:
-    """Serve ``/metrics`` in a thread of its own; return its URL (None when switched off)."""
+    """Serve ``/metrics``, ``/healthz`` and ``/readyz`` in a thread of its own; return the
+    ``/metrics`` URL (None when switched off)."""
     variable = f"ARTERY_{service.upper()}_METRICS_PORT"
     raw = os.environ.get(variable) or "0"
     try:
@@ -74,7 +140,17 @@ def start_metrics_server(service: str) -> str | None:
     if port < 0:
         return None
     host = os.environ.get("ARTERY_METRICS_HOST") or "127.0.0.1"
-    server, _ = start_http_server(port, addr=host)
-    url = f"http://{host}:{server.server_port}/metrics"
+    server_class = _Server
+    if ":" in host:  # an IPv6 address (``::`` for every interface)
+
+        class _Server6(_Server):
+            address_family = socket.AF_INET6
+
+        server_class = _Server6
+    app = wsgi_health(make_wsgi_app(REGISTRY))
+    server = make_server(host, port, app, server_class=server_class, handler_class=_Quiet)
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
+    shown = f"[{host}]" if ":" in host else host
+    url = f"http://{shown}:{server.server_port}/metrics"
     structlog.contextvars.bind_contextvars(metrics_url=url)
     return url

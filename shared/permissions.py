@@ -27,7 +27,16 @@ What JetStream needs, found against a real nats-server (``tests/test_security.py
   ``$JS.API.STREAM.PURGE.OBJ_<bucket>`` to write or delete.
 
 Only ``admin`` may create or change streams, buckets and consumers of others; a service checks
-that they exist (``provision_if_missing``) instead of creating them.
+that they exist (``provision_if_missing``) instead of creating them. ``admin`` is also the
+operator's credential for the console's two actions: re-publishing a dead letter onto the subject
+it came from (the subjects the durable consumers read) and resuming a stuck replica (resume, never
+pause). The console itself runs as ``console``: it reads, and publishes nothing.
+
+Every service role answers NATS readiness requests (``shared.health``: NATS's service protocol,
+``$SRV.PING|INFO|STATS``) for its own service name only; ``admin`` may ask them.
+
+Long module: every role's rights side by side in one function (``permissions``), so that what one
+role may do is read against the others; the subject helpers above it are its vocabulary.
 """
 
 from __future__ import annotations
@@ -42,7 +51,7 @@ from artery.schemas.base import NAME_PATTERN
 from artery.shared import subjects
 from artery.shared.kv import kv_stream
 
-ROLES = ("admin", "agent", "collector", "reward", "trainer", "publisher", "inference")
+ROLES = ("admin", "agent", "collector", "reward", "trainer", "publisher", "inference", "console")
 
 JS_API = "$JS.API"
 #: The trainer's durable consumer (named in ``services.trainer.service``; a test keeps them equal).
@@ -208,6 +217,22 @@ def _control_inference() -> str:
     return f"{subjects.PREFIX}.control.inference.>"
 
 
+#: What an operator may re-publish a dead letter onto: the subjects the durable consumers read
+#: (``DURABLES``), where the message is handled again. Request/reply subjects are not replayed.
+REPUBLISHABLE = tuple(filter_subject for _, _, filter_subject in DURABLES.values())
+
+
+def _health(role: str) -> list[str]:
+    """The NATS service protocol's requests a ready ``role`` service answers (``shared.health``):
+    to everyone, to its service name, to its instance."""
+    name = subjects.HEALTH_SERVICE.format(service=role)
+    return [
+        *(f"$SRV.{verb}" for verb in ("PING", "INFO", "STATS")),
+        f"$SRV.*.{name}",
+        f"$SRV.*.{name}.*",
+    ]
+
+
 def permissions(role: str, user: str, *, project: str | None = None) -> Permissions:
     """What ``user`` in ``role`` may publish and subscribe to (``project``: agents only)."""
     if role not in ROLES:
@@ -220,12 +245,21 @@ def permissions(role: str, user: str, *, project: str | None = None) -> Permissi
         deny.append(f"$O.{adapters}.>")
     deny += _protect_durables(role if role in DURABLES else None)
     if role == "admin":
-        # Provisioning and operations: the whole JetStream API, reading everything. No events,
-        # no pausing, no adapters: those belong to the services.
+        # Provisioning and operations: the whole JetStream API, reading everything, asking every
+        # service whether it is ready, re-publishing dead letters and resuming a stuck replica (the
+        # console's actions). No other events, no pausing, no adapters: those belong to the services.
+        denied = [subjects.control("pause", "*", "*") if d == _control_inference() else d for d in deny]
         return Permissions(
-            publish=(f"{JS_API}.>", "$JS.ACK.>", "$JS.FC.>"),
+            publish=(
+                f"{JS_API}.>",
+                "$JS.ACK.>",
+                "$JS.FC.>",
+                subjects.HEALTH_REQUESTS,
+                *REPUBLISHABLE,
+                subjects.control("resume", "*", "*"),
+            ),
             subscribe=(">",),
-            deny_publish=tuple(d for d in deny if not d.startswith(f"{JS_API}.CONSUMER")),
+            deny_publish=tuple(d for d in denied if not d.startswith(f"{JS_API}.CONSUMER")),
         )
     if role == "agent":
         if project is None:
@@ -252,8 +286,8 @@ def permissions(role: str, user: str, *, project: str | None = None) -> Permissi
     if project is not None:
         raise ValueError("only agent users have a project")
     publish = [*_all_stream_info(), *(_durable(role) if role in DURABLES else [])]
-    subscribe: list[str] = [inbox]
-    responses = False
+    subscribe: list[str] = [inbox, *_health(role)]
+    responses = True  # readiness answers; other requests only where subscribed below
     if role == "collector":
         publish += [subjects.group_ready("*", "*")]
     elif role == "reward":
@@ -280,7 +314,6 @@ def permissions(role: str, user: str, *, project: str | None = None) -> Permissi
             *_object_write(adapters),
         ]
         subscribe += [subjects.retention_request("*", "*")]
-        responses = True
     elif role == "inference":
         published = subjects.checkpoint("published", "*", "*")
         publish += [
@@ -298,9 +331,25 @@ def permissions(role: str, user: str, *, project: str | None = None) -> Permissi
             # The trainer's file as soon as it is saved, where the replica can read it (same machine).
             subjects.checkpoint("saved", "*", "*"),
             subjects.checkpoint("deleted", "*", "*"),
+        ]  # and answers pause and resume on the requester's inbox only
+    elif role == "console":
+        # Reads only: what the pages show (model records, replicas, dead letters by sequence)
+        # and the live feed, subscribed to the subjects the streams store. It publishes nothing;
+        # its actions connect with the operator's admin credential instead (services.console).
+        publish += [
+            *_kv_scan(models),
+            *_kv_scan(replicas),
+            f"{JS_API}.STREAM.MSG.GET.{subjects.DLQ.name}",
         ]
-        responses = True  # pause and resume acks, on the trainer's inbox only
-    publish.append(subjects.dead_letter(role))
+        subscribe += [
+            f"{subjects.PREFIX}.train.>",
+            f"{subjects.PREFIX}.ckpt.>",
+            f"{subjects.PREFIX}.group.>",
+            subjects.dead_letter("*"),
+            subjects.kv_updates(replicas, ">"),
+        ]
+    if role != "console":
+        publish.append(subjects.dead_letter(role))
     return Permissions(
         publish=tuple(dict.fromkeys(publish)),
         subscribe=tuple(subscribe),

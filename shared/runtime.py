@@ -1,14 +1,24 @@
-"""What every service's ``main`` does: settings, logs, traces, NATS, streams, signals."""
+"""What every service's ``main`` does: settings, logs, traces, metrics, health, NATS, streams,
+signals.
+
+Health (``shared.health``): the process is ready once it logs ``ready`` and stops being ready as
+soon as it is asked to stop; ``/readyz`` on the metrics server and the NATS service
+``artery-<service>`` (on the connection ``connect_service`` made) follow that.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import signal
 from collections.abc import Awaitable, Callable
 
 import nats
+import structlog
 
-from artery.shared import bus
+from artery.shared import bus, subjects
+from artery.shared.health import HEALTH, NatsReadiness, note_log_event
 from artery.shared.logs import get_logger, setup_logging
 from artery.shared.metrics import start_metrics_server
 from artery.shared.permissions import provision_if_missing
@@ -20,6 +30,8 @@ log = get_logger(__name__)
 SHUTDOWN_GRACE_S = 10.0
 #: How long a stopping service may spend exporting its last spans.
 TRACE_FLUSH_S = 3.0
+#: The connection ``connect_service`` made, by service: the NATS readiness service answers on it.
+_connections: dict[str, nats.NATS] = {}
 
 
 async def connect_service(service: str, common: CommonSettings) -> nats.NATS:
@@ -28,7 +40,57 @@ async def connect_service(service: str, common: CommonSettings) -> nats.NATS:
     # Only when something is missing: checking needs STREAM.INFO, which every NATS role may
     # call, while creating or updating streams is the admin's (see shared/permissions.py).
     await provision_if_missing(nc.jetstream(), common)
+    _connections[service] = nc
     return nc
+
+
+def _watch_ready_line() -> None:
+    """Mark the process ready when it logs ``ready``: seen by the logger's ``info`` itself, so
+    that a log level that filters the line out (``ARTERY_LOG_LEVEL=warning``) changes nothing."""
+    base = structlog.get_config()["wrapper_class"]
+    if getattr(base, "watches_ready", False):
+        return
+
+    class WatchingReady(base):
+        watches_ready = True
+
+        def info(self, event=None, *args, **kw):
+            note_log_event(event)
+            return super().info(event, *args, **kw)
+
+    structlog.configure(wrapper_class=WatchingReady)
+
+
+async def _announce_when_ready(service: str, metrics_url: str | None) -> NatsReadiness | None:
+    """Once ready, answer NATS readiness requests as ``artery-<service>`` (until stopping)."""
+    became_ready = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    HEALTH.on_ready(lambda: loop.call_soon_threadsafe(became_ready.set))
+    await became_ready.wait()
+    nc = _connections.get(service)
+    if nc is None or HEALTH.stopping:
+        return None
+    metadata = {"service": service, "pid": str(os.getpid())}
+    if metrics_url:
+        metadata["metrics_url"] = metrics_url
+    readiness = NatsReadiness(nc, subjects.HEALTH_SERVICE.format(service=service), metadata)
+    try:
+        await readiness.start()
+    except Exception as exc:  # e.g. a role without the permission: HTTP /readyz still answers
+        log.warning("NATS readiness service not started", error=repr(exc))
+        return None
+    return readiness
+
+
+async def _stop_announcing(announcing: asyncio.Task) -> None:
+    if not announcing.done():
+        announcing.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await announcing
+        return
+    readiness = announcing.result() if not announcing.cancelled() else None
+    if readiness is not None:
+        await readiness.stop()
 
 
 def run_service(
@@ -38,8 +100,12 @@ def run_service(
     """Read the common settings, set up logs and traces, run ``start`` until SIGTERM/SIGINT."""
     common = load(CommonSettings, "ARTERY_")
     setup_logging(service, common.log_level, common.log_format)
-    start_metrics_server(service)  # /metrics; its URL goes on every log line (``ready`` too)
+    _watch_ready_line()
+    # /metrics, /healthz, /readyz; its URL goes on every log line (``ready`` too)
+    metrics_url = start_metrics_server(service)
     setup_tracing(service, common.otel_endpoint)
+
+    name = service
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -47,9 +113,14 @@ def run_service(
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         log.info("starting", nats_url=common.nats_url)
+        announcing = asyncio.create_task(_announce_when_ready(name, metrics_url))
         service = asyncio.create_task(start(common, stop))
         stopping = asyncio.create_task(stop.wait())
         await asyncio.wait({service, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        # Not ready from here on: /readyz says 503 and NATS readiness requests go unanswered
+        # while the service drains (the service itself sees ``stop`` at the same moment).
+        HEALTH.mark_stopping()
+        await _stop_announcing(announcing)
         if not service.done():
             # Stop was asked for: the service shuts down cleanly on its own, unless it is still
             # starting (waiting for NATS or PostgreSQL that may never come): then it is cancelled.

@@ -149,7 +149,7 @@ def test_nats_config_is_a_valid_server_config_with_a_secret_per_user(tmp_path):
     assert checked.returncode == 0, checked.stderr
     users = sorted(p.name for p in secrets.iterdir())
     assert users == sorted(
-        ["admin", "agent-demo", "collector", "inference", "publisher", "reward", "trainer"]
+        ["admin", "agent-demo", "collector", "console", "inference", "publisher", "reward", "trainer"]
     ), users
     for name in users:
         password = (secrets / name).read_text().strip()

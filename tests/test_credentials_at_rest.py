@@ -22,7 +22,7 @@ from artery.shared.settings import CommonSettings
 from artery.stack import Stack
 
 PROJECT = "demo"
-USERS = {"admin", "collector", "reward", "trainer", "publisher", "inference", f"agent-{PROJECT}"}
+USERS = {"admin", "console", "collector", "reward", "trainer", "publisher", "inference", f"agent-{PROJECT}"}
 RENDERED_USER = re.compile(r'\{ user: "([^"]+)", password: "([^"]+)"')
 
 

@@ -64,7 +64,7 @@ async def test_every_service_runs_as_its_own_user_and_an_agent_only_for_its_proj
         for user in [r for r in ROLES if r != "agent"] + [f"agent-{PROJECT}"]:
             assert stat.S_IMODE((stack.secrets / user).stat().st_mode) == 0o600
         for name, process in stack.processes.items():
-            user = "admin" if name == "console" else name  # the console reads every project (as admin)
+            user = name  # the console too: its own read-only user, not admin
             assert process.env["ARTERY_NATS_USER"] == user
             assert process.env["ARTERY_NATS_PASSWORD_FILE"] == str(stack.secrets / user)
         with pytest.raises(nats.errors.Error, match="Authorization Violation"):  # no credentials

@@ -5,12 +5,26 @@ say: finite numbers everywhere (msgpack carries NaN and infinities; stored as JS
 become null), rewards within ``REWARD_LIMIT``, headers and a subject that agree with the payload,
 sizes within bounds. What passes is stored exactly as it was sent; everything else is rejected
 with the reason.
+
+Non-finite numbers are ``non_finite`` however they were sent: as msgpack floats, or as the
+``NaN``/``Infinity`` literals Python's ``json.dumps`` writes (not JSON, so otherwise a ``decode``
+error that names only a byte offset). ``JSON.stringify`` writes them as ``null``: a
+``validation`` error naming the field (``Expected `float`, got `null```), since a null is not
+necessarily a NaN.
+
+Sizes: a group over ``max_bytes`` (``ARTERY_COLLECTOR_MAX_GROUP_BYTES``) or with more than
+``max_trajectories`` trajectories is ``too_large``. The byte limit defaults to the NATS default
+``max_payload`` (8 MiB), so with defaults the publishing client refuses a larger message before
+it is sent (``MaxPayloadError``): the byte check is for a server whose ``max_payload`` is raised
+above what the collector should store (set the collector's limit below it), and is what rejects
+the message then.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,6 +41,10 @@ REWARD_LIMIT = 1e6
 # without its tag): an event of another type is then told apart from a group without a tag.
 _decoder = EventDecoder(TrajectoryGroupSubmitted | TrainRequested)
 _GROUP_TAG = TrajectoryGroupSubmitted.__struct_config__.tag
+#: msgspec's JSON syntax error, with the offset of the byte it stopped at.
+_BAD_BYTE = re.compile(r"invalid character \(byte (\d+)\)")
+#: What ``json.dumps`` (allow_nan, its default) writes for NaN and the infinities.
+_NON_FINITE_LITERALS = (b"NaN", b"Infinity")
 
 
 def decode_group(
@@ -45,6 +63,11 @@ def decode_group(
     check_headers(headers)
     try:
         group = _decoder.decode(data, headers.get(CONTENT_TYPE))
+    except InvalidMessage as exc:
+        non_finite = _non_finite_literal(exc, data)
+        if non_finite is None:
+            raise
+        raise non_finite from None
     # msgspec raises these outside its DecodeError; escaping the handler, they failed (and
     # redelivered) the whole batch, good groups included, until all were dead-lettered as poison.
     except UnicodeDecodeError as exc:
@@ -76,6 +99,23 @@ def decode_group(
             "validation", f"time {group.time.isoformat()} is out of range in UTC", original_id=group.id
         ) from None
     return group
+
+
+def _non_finite_literal(error: InvalidMessage, data: bytes) -> InvalidMessage | None:
+    """A JSON syntax error at a ``NaN``/``Infinity`` literal, as ``non_finite``; else None."""
+    match = _BAD_BYTE.search(error.reason) if error.kind == "decode" else None
+    if match is None:
+        return None
+    at = int(match.group(1))
+    literal = next((lit for lit in _NON_FINITE_LITERALS if data.startswith(lit, at)), None)
+    if literal is None:
+        return None
+    sign = "-" if at > 0 and data[at - 1 : at] == b"-" else ""
+    return InvalidMessage(
+        "non_finite",
+        f"{sign}{literal.decode()} at byte {at}: JSON has no NaN or infinities "
+        "(json.dumps writes them unless allow_nan=False); send a finite number",
+    )
 
 
 def check_headers(headers: Mapping[str, str]) -> None:

@@ -1,7 +1,12 @@
 """The console's HTTP app: server-rendered pages (Jinja2), fragments that htmx swaps in, a JSON
 API the charts read, and ``/events``, a Server-Sent Events stream fed by NATS subscriptions.
 
-Read-only: nothing here writes to PostgreSQL or publishes to NATS.
+Read-only: nothing here writes to PostgreSQL, and nothing publishes to NATS as the console. The
+two actions (``POST /actions/...``: re-publish a dead letter, resume a replica) act with the NATS
+admin credential of whoever asks (``actions``).
+
+``/healthz`` is 200 while the process runs; ``/readyz`` is 200 once the console has logged
+``ready`` (``shared.health``) while NATS and PostgreSQL answer, 503 otherwise.
 """
 
 from __future__ import annotations
@@ -17,9 +22,11 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 
-from artery.services.console import live, queries
+from artery.services.console import actions, live, queries
 from artery.services.console.settings import ConsoleSettings
 from artery.services.console.tokens import shaded_tokens
+from artery.shared.health import HEALTH
+from artery.shared.settings import CommonSettings
 
 _HERE = resources.files("artery.services.console")
 
@@ -31,6 +38,8 @@ class Sources:
     pool: asyncpg.Pool
     nc: nats.NATS
     settings: ConsoleSettings
+    #: Where the actions connect (with the asker's credential).
+    common: CommonSettings
 
 
 def _optional(value: str | None, cast):
@@ -68,13 +77,32 @@ def create_app(sources: Sources) -> FastAPI:
 
     @app.get("/readyz")
     async def readyz() -> Response:
-        ok = sources.nc.is_connected
+        _, body = HEALTH.status()
+        ok = body["ready"] and sources.nc.is_connected
         try:
             async with sources.pool.acquire() as conn:
                 await conn.fetchval("SELECT 1")
         except Exception:
             ok = False
-        return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
+        return JSONResponse({**body, "ready": ok}, status_code=200 if ok else 503)
+
+    admin = sources.settings.admin_user
+
+    def acted(request: Request, result: dict, back: str) -> Response:
+        # A form in the browser goes back to its page; an API client gets what was done.
+        if "text/html" in request.headers.get("accept", ""):
+            return Response(status_code=303, headers={"Location": back})
+        return JSONResponse(result)
+
+    @app.post("/actions/dead-letters/{seq}/republish")
+    async def republish(request: Request, seq: int) -> Response:
+        async with actions.AdminSession(sources.nc, sources.common, actions.credential(request), admin) as s:
+            return acted(request, await actions.republish(s, seq), "/dead-letters")
+
+    @app.post("/actions/replicas/{project}/{model}/{replica_id}/resume")
+    async def resume(request: Request, project: str, model: str, replica_id: str) -> Response:
+        async with actions.AdminSession(sources.nc, sources.common, actions.credential(request), admin) as s:
+            return acted(request, await actions.resume(s, project, model, replica_id), "/replicas")
 
     @app.get("/", response_class=HTMLResponse)
     async def index(request: Request):

@@ -1,6 +1,7 @@
 """Entry point: ``python -m artery.services.console``. Settings are validated before connecting.
 
-Reads PostgreSQL (as any role with SELECT, e.g. ``artery_reader``) and NATS; writes nothing.
+Reads PostgreSQL (as any role with SELECT, e.g. ``artery_reader``) and NATS (as the read-only
+``console`` user in a secure stack); writes nothing. Its actions use the asker's admin credential.
 Logs ``ready`` with its ``url`` once it listens (``artery up`` and ``LocalBackend`` print it).
 """
 
@@ -41,7 +42,7 @@ async def start(common: CommonSettings, stop: asyncio.Event) -> None:
 
     nc = await connect_service("console", common)
     pool = await _pool_when_ready(common.database_url)
-    app = create_app(Sources(pool=pool, nc=nc, settings=settings))
+    app = create_app(Sources(pool=pool, nc=nc, settings=settings, common=common))
     server, task, port = await serve_http(app, settings.host, settings.port)
     url = f"http://{settings.host}:{port}"
     log.info("ready", url=url)

@@ -18,3 +18,6 @@ class ConsoleSettings(msgspec.Struct, kw_only=True, frozen=True):
     ] = 0
     dead_letters: Annotated[int, doc("most recent dead letters shown", ge=1, le=10_000)] = 200
     page_size: Annotated[int, doc("trajectories per page of the browser", ge=1, le=1000)] = 50
+    admin_user: Annotated[
+        str, doc("the NATS user whose credential the actions (re-publish, resume) take")
+    ] = "admin"

@@ -1,12 +1,16 @@
 """The OpenAI-compatible HTTP API of the inference service, over any ``Engine``.
 
-``POST /v1/chat/completions`` (plain or streamed), ``GET /v1/models``, ``GET /health``. Bodies are
+``POST /v1/chat/completions`` (plain or streamed), ``GET /v1/models``, ``GET /health`` (serving
+state: paused, lagging), ``GET /healthz`` and ``GET /readyz`` (``shared.health``). Bodies are
 decoded and encoded with msgspec; every error has OpenAI's shape, ``{"error": {message, type, param,
 code}}``, with the status OpenAI would use (400, 401, 404, 413) plus 503 ``engine_paused`` when the
 pause gate gave up waiting, and 500 ``engine_error`` when the engine failed.
 
 A body larger than ``max_body_bytes`` is a 413 before it is read: at once when its
 ``Content-Length`` says so, else as soon as the bytes received pass the limit (a chunked body).
+
+Metrics: ``artery_inference_queue_depth`` counts the completions held (from arrival until the last
+byte, streamed or not; waiting at the pause gate included); the engines count generated tokens.
 
 A completion runs in an ``inference.chat_completion`` span (SERVER) that continues the caller's
 ``traceparent`` header (the SDK's ``openai_client()`` sends it), until the last streamed chunk.
@@ -49,7 +53,9 @@ from artery.services.inference.openai_types import (
 from artery.services.inference.serving import EnginePaused, ModelNotFound, Resolved, ServingState
 from artery.services.inference.settings import DEFAULT_MAX_BODY_BYTES
 from artery.services.inference.streaming import EngineStream, sse_events
+from artery.shared.health import HEALTH
 from artery.shared.logs import get_logger
+from artery.shared.metrics import REPLICA_QUEUE_DEPTH
 from artery.shared.tracing import extract, tracer
 
 log = get_logger(__name__)
@@ -95,6 +101,17 @@ def create_app(state: ServingState, *, max_body_bytes: int = DEFAULT_MAX_BODY_BY
         status = "paused" if state.is_paused() else "ok"
         return _json({"status": status, "adapters": state.engine.adapters()})
 
+    @app.get("/healthz")
+    async def healthz() -> Response:
+        return _json({"status": "ok"})
+
+    @app.get("/readyz")
+    async def readyz() -> Response:
+        # Ready from the replica's ``ready`` line until it is asked to stop; a pause is not
+        # unreadiness (requests wait at the gate), but it is said.
+        status, body = HEALTH.status()
+        return _json({**body, "paused": state.is_paused()}, status=status)
+
     @v1.get("/models")
     async def models() -> Response:
         cards = [
@@ -109,6 +126,7 @@ def create_app(state: ServingState, *, max_body_bytes: int = DEFAULT_MAX_BODY_BY
             "inference.chat_completion", context=extract(http.headers), kind=trace.SpanKind.SERVER
         )
         streaming = False
+        REPLICA_QUEUE_DEPTH.inc()
         try:
             with trace.use_span(span, record_exception=True, set_status_on_exception=True):
                 try:
@@ -122,8 +140,9 @@ def create_app(state: ServingState, *, max_body_bytes: int = DEFAULT_MAX_BODY_BY
                 streaming = True
             return response
         finally:
-            if not streaming:
+            if not streaming:  # else when the stream ends (``_ending``)
                 span.end()
+                REPLICA_QUEUE_DEPTH.dec()
 
     async def _chat_completion(http: Request, span: trace.Span) -> Response:
         request = decode_request(await http.body())
@@ -239,12 +258,13 @@ def _content_length(scope: Scope) -> int | None:
 
 
 async def _ending(chunks: AsyncIterator, span: trace.Span) -> AsyncIterator:
-    """The streamed body; the request's span ends with it."""
+    """The streamed body; the request's span ends with it, and it leaves the queue."""
     try:
         async for chunk in chunks:
             yield chunk
     finally:
         span.end()
+        REPLICA_QUEUE_DEPTH.dec()
 
 
 def _completion(

@@ -2,8 +2,10 @@
 
 Served names: ``<model>`` is the latest step (the loaded adapter with the highest step, or the base
 model when none is loaded); ``<model>@<step>`` is that step's adapter; ``<model>@0`` is the base
-model. The mapping is read from ``engine.adapters()`` on every request, so an adapter is served as
-soon as the engine has loaded it under the name ``<model>@<step>``.
+model, which also answers to the base model's own name (``base_model``, as registered: what a user
+of the untrained model asks for), as the step-0 policy. The mapping is read from
+``engine.adapters()`` on every request, so an adapter is served as soon as the engine has loaded it
+under the name ``<model>@<step>``. A name served by none of these is a 404 that lists them.
 """
 
 from __future__ import annotations
@@ -27,9 +29,13 @@ class EnginePaused(Exception):
 
 
 class ModelNotFound(Exception):
-    def __init__(self, name: str) -> None:
-        super().__init__(f"The model `{name}` does not exist")
+    def __init__(self, name: str, served: list[str] | None = None) -> None:
+        message = f"The model `{name}` does not exist"
+        if served is not None:
+            message += f"; this replica serves {', '.join(f'`{n}`' for n in served)} (see /v1/models)"
+        super().__init__(message)
         self.name = name
+        self.served = served
 
 
 #: Admits one request: the body of ``async with admit():`` runs while inference is not paused (the
@@ -74,9 +80,12 @@ class ServingState:
         checkpoint_lag: Callable[[], CheckpointLag | None] = lambda: None,
         api_key: str | None = None,
         default_max_tokens: int = 4096,
+        base_model: str | None = None,
     ) -> None:
         self.engine = engine
         self.model = model
+        #: The base model's name as registered (a Hugging Face id or a path): the step-0 policy.
+        self.base_model = base_model if base_model and base_model != model else None
         self.admit = admit
         self.is_paused = is_paused
         #: Not None while the replica lags behind training: ``/health`` is then a 503.
@@ -101,6 +110,8 @@ class ServingState:
         latest = steps[max(steps)] if steps else None
         names: dict[str, str | None] = {self.model: latest, f"{self.model}@0": None}
         names.update({f"{self.model}@{step}": steps[step] for step in sorted(steps)})
+        if self.base_model is not None:
+            names[self.base_model] = None
         return names
 
     def resolve(self, name: str) -> Resolved:
@@ -108,10 +119,12 @@ class ServingState:
         steps = self.steps()
         if name == self.model:
             step = max(steps, default=0)
+        elif name == self.base_model:
+            step = 0
         else:
             step = self._step_of(name)
             if step is None or (step != 0 and step not in steps):
-                raise ModelNotFound(name)
+                raise ModelNotFound(name, list(self.served()))
         return Resolved(f"{self.model}@{step}", steps.get(step))
 
     def _step_of(self, name: str) -> int | None:

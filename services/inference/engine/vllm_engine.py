@@ -43,6 +43,8 @@ from artery.services.inference.engine.base import (
 )
 from artery.services.inference.engine.lora import check_adapter_dir
 from artery.services.inference.engine.stops import first_stop
+from artery.shared.metrics import count_generated
+from artery.shared.models import warm_start
 
 #: GiB of KV cache on the CPU when ``VLLM_CPU_KVCACHE_SPACE`` is not set (SmolLM2-135M in float32
 #: needs ~46 KB a token: 2 GiB hold ~45k tokens).
@@ -71,6 +73,10 @@ class VLLMEngine:
         engine_args: dict[str, Any] | None = None,
     ):
         self.model_path = str(model_path)
+        # A PEFT adapter directory as the model (a warm start): vLLM loads its base, and every
+        # request for the base model (step 0) runs with the adapter as a LoRA request.
+        self._warm = warm_start(self.model_path)
+        self._warm_lora = None
         self._settings = dict(
             max_context=max_context,
             gpu_memory_utilization=gpu_memory_utilization,
@@ -94,7 +100,7 @@ class VLLMEngine:
         cpu = _on_cpu()
         sleep = (not cpu) if s["enable_sleep_mode"] is None else s["enable_sleep_mode"]
         return {
-            "model": self.model_path,
+            "model": self._warm.base_path() if self._warm else self.model_path,
             "enable_lora": True,
             "max_lora_rank": s["max_lora_rank"],
             "max_loras": s["max_loras"],
@@ -123,8 +129,19 @@ class VLLMEngine:
         # itself uses (apply_chat_template, decode, convert_ids_to_tokens).
         from transformers import AutoTokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            self._warm.tokenizer_path() if self._warm else self.model_path
+        )
         self.max_context = self._engine.model_config.max_model_len
+        if self._warm is not None:
+            from vllm.lora.request import LoRARequest
+
+            check_adapter_dir(self._warm.adapter_dir)
+            self._warm_lora = LoRARequest(
+                lora_name="warm_start",
+                lora_int_id=next(self._lora_ids),
+                lora_path=str(self._warm.adapter_dir),
+            )
 
     def _sampling_params(self, params: SamplingParams):
         from vllm import SamplingParams as VSamplingParams
@@ -147,7 +164,7 @@ class VLLMEngine:
 
         if self._engine is None:
             raise EngineError("engine not started")
-        lora = None
+        lora = self._warm_lora  # the base model's requests: the warm-start adapter, when there is one
         if request.adapter is not None:
             lora = self._loras.get(request.adapter)
             if lora is None:
@@ -165,6 +182,7 @@ class VLLMEngine:
                     if choice.finish_reason == "abort":
                         raise EngineError("vLLM aborted the request")
                     token_ids = list(choice.token_ids)
+                    count_generated(len(token_ids))
                     alternatives_per_token = choice.logprobs or [None] * len(token_ids)
                     for position, token_id in enumerate(token_ids):
                         alternatives = alternatives_per_token[position] or {}
