@@ -3,6 +3,10 @@
 ``artery up`` starts the embedded NATS and PostgreSQL (or uses ``ARTERY_NATS_URL`` /
 ``ARTERY_DATABASE_URL`` when set) and every service as child processes, restarts a service
 that dies, and stops everything in order on Ctrl-C.
+
+Long module: the ``artery`` command's subcommands, each ``cmd_*`` beside its arguments, so
+that ``artery --help`` and what each command does read together; the work itself lives in the
+modules they call (``artery.stack``, ``artery.export``...).
 """
 
 from __future__ import annotations
@@ -268,6 +272,73 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _nats_and_database(home: str, command: str) -> tuple[str, str]:
+    nats_url, database_url, source, _ = _find_stack(home)
+    if not database_url:
+        raise SystemExit(f"artery {command}: no PostgreSQL (ARTERY_DATABASE_URL, or `artery up`'s {source})")
+    return nats_url, database_url
+
+
+def cmd_export_model(args: argparse.Namespace) -> int:
+    """A published step as a PEFT adapter or merged weights (``artery.export_model``)."""
+    from artery import export_model
+    from artery.shared.settings import CommonSettings, load
+
+    nats_url, database_url = _nats_and_database(args.home, "export-model")
+    settings = msgspec_replace(load(CommonSettings, "ARTERY_"), nats_url=nats_url)
+    try:
+        found = asyncio.run(
+            export_model.export_model(
+                settings,
+                database_url,
+                args.project,
+                args.model,
+                Path(args.directory),
+                fmt=args.format,
+                step=args.step,
+                dtype=args.dtype,
+            )
+        )
+    except LookupError as exc:
+        raise SystemExit(f"artery export-model: {exc}") from None
+    what = f"{args.project}/{args.model} step {found.step}"
+    print(f"{what} ({args.format}, base {found.base_identity}) -> {args.directory}")
+    return 0
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    """Train a fresh model on a model's stored groups, step by step (``artery.replay``)."""
+    from artery import replay
+    from artery.shared.settings import CommonSettings, load
+
+    nats_url, database_url = _nats_and_database(args.home, "replay")
+    settings = msgspec_replace(load(CommonSettings, "ARTERY_"), nats_url=nats_url)
+    try:
+        steps = asyncio.run(
+            replay.replay(
+                settings,
+                database_url,
+                args.project,
+                args.model,
+                args.new_model,
+                from_step=args.from_step,
+                to_step=args.to_step,
+                timeout_s=args.timeout,
+                progress=print,
+            )
+        )
+    except replay.ReplayError as exc:
+        raise SystemExit(f"artery replay: {exc}") from None
+    print(f"replayed {len(steps)} steps of {args.project}/{args.model} as {args.project}/{args.new_model}")
+    return 0
+
+
+def msgspec_replace(settings, **changes):
+    import msgspec
+
+    return msgspec.structs.replace(settings, **changes)
+
+
 def cmd_provision(_: argparse.Namespace) -> int:
     """Create or update every stream, bucket and object store (``ARTERY_*`` settings, e.g.
     ``ARTERY_STREAM_REPLICAS``). Services only create what is missing, and with per-service NATS
@@ -394,10 +465,34 @@ def main(argv: list[str] | None = None) -> int:
     export = sub.add_parser("export", help="a model's trajectories, rewards and sampled tokens to a file")
     export.add_argument("--project", required=True)
     export.add_argument("--model", required=True)
-    export.add_argument("--format", choices=["parquet", "jsonl"], default="parquet")
-    export.add_argument("--output", help="file to write (default PROJECT-MODEL.FORMAT)")
+    export.add_argument("--format", choices=["parquet", "jsonl", "hf"], default="parquet")
+    export.add_argument("--output", help="file to write, a directory for hf (default PROJECT-MODEL.FORMAT)")
     export.add_argument("--home", default=DEFAULT_HOME, help="state directory of `artery up`")
     export.set_defaults(func=cmd_export)
+    export_model = sub.add_parser(
+        "export-model", help="a published step as a PEFT adapter or merged transformers weights"
+    )
+    export_model.add_argument("--project", required=True)
+    export_model.add_argument("--model", required=True)
+    export_model.add_argument("--step", type=int, help="published step (default: the newest kept)")
+    export_model.add_argument("--format", choices=["peft", "merged"], default="peft")
+    export_model.add_argument(
+        "--dtype", default="auto", help="merged weights' dtype (default: the base model's own)"
+    )
+    export_model.add_argument("directory", help="directory to write (replaced whole)")
+    export_model.add_argument("--home", default=DEFAULT_HOME, help="state directory of `artery up`")
+    export_model.set_defaults(func=cmd_export_model)
+    replay = sub.add_parser(
+        "replay", help="train a fresh model on a model's stored groups, step by step, through the trainer"
+    )
+    replay.add_argument("--project", required=True)
+    replay.add_argument("--model", required=True, help="the model whose steps are replayed")
+    replay.add_argument("--new-model", required=True, help="the fresh model trained (must not have trained)")
+    replay.add_argument("--from-step", type=int, help="first step replayed (default: 1)")
+    replay.add_argument("--to-step", type=int, help="last step replayed (default: the newest)")
+    replay.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for each step")
+    replay.add_argument("--home", default=DEFAULT_HOME, help="state directory of `artery up`")
+    replay.set_defaults(func=cmd_replay)
     config = sub.add_parser("config", help="print every setting with its default")
     config.set_defaults(func=cmd_config)
     provision = sub.add_parser("provision", help="create or update every stream and bucket (as admin)")

@@ -1,9 +1,11 @@
 """``artery export``: a model's stored trajectories, with rewards, verdicts and sampled tokens,
-as Parquet or JSON lines, one row per trajectory.
+as Parquet, JSON lines or a Hugging Face ``datasets`` dataset, one row per trajectory.
 
 Nested values (messages, tools, metrics, metadata) are JSON text, so every row has the same
 columns whatever the agent logged; sampled tokens are flat lists over the trajectory's assistant
-messages, in order.
+messages, in order. The three formats carry the same columns with the same types: ``hf`` is a
+directory written by ``Dataset.save_to_disk`` (read it with ``datasets.load_from_disk``), its
+features taken from the Parquet schema.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from pathlib import Path
 
 import asyncpg
 
-FORMATS = ("parquet", "jsonl")
+FORMATS = ("parquet", "jsonl", "hf")
 QUERY = """
 SELECT t.project, t.model, t.group_id, t.idx, g.step, g.split, t.reward, g.reward_mean AS group_reward_mean,
        g.submitted_at, g.stored_at, t.body,
@@ -63,6 +65,32 @@ async def fetch_rows(database_url: str, project: str, model: str) -> list[dict]:
         await conn.close()
 
 
+def arrow_schema():
+    import pyarrow as pa
+
+    return pa.schema(
+        [
+            *(pa.field(c, pa.string()) for c in ("project", "model", "group_id")),
+            pa.field("idx", pa.int32()),
+            pa.field("step", pa.int32()),
+            pa.field("split", pa.string()),
+            pa.field("reward", pa.float64()),
+            pa.field("group_reward_mean", pa.float64()),
+            *(pa.field(c, pa.string()) for c in ("submitted_at", "stored_at", "messages", "tools")),
+            *(pa.field(c, pa.string()) for c in ("metrics", "metadata")),
+            pa.field("sampled_token_ids", pa.list_(pa.int64())),
+            pa.field("sampled_logprobs", pa.list_(pa.float64())),
+            pa.field("served_models", pa.list_(pa.string())),
+            pa.field("judge_model", pa.string()),
+            pa.field("judge_score", pa.float64()),
+            pa.field("independent_reward", pa.float64()),
+            pa.field("explanation", pa.string()),
+            pa.field("judge_error", pa.string()),
+            pa.field("group_judge_cost_usd", pa.float64()),
+        ]
+    )
+
+
 def write(rows: list[dict], path: Path, fmt: str) -> None:
     if fmt == "jsonl":
         with open(path, "w") as f:
@@ -72,27 +100,14 @@ def write(rows: list[dict], path: Path, fmt: str) -> None:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        schema = pa.schema(
-            [
-                *(pa.field(c, pa.string()) for c in ("project", "model", "group_id")),
-                pa.field("idx", pa.int32()),
-                pa.field("step", pa.int32()),
-                pa.field("split", pa.string()),
-                pa.field("reward", pa.float64()),
-                pa.field("group_reward_mean", pa.float64()),
-                *(pa.field(c, pa.string()) for c in ("submitted_at", "stored_at", "messages", "tools")),
-                *(pa.field(c, pa.string()) for c in ("metrics", "metadata")),
-                pa.field("sampled_token_ids", pa.list_(pa.int64())),
-                pa.field("sampled_logprobs", pa.list_(pa.float64())),
-                pa.field("served_models", pa.list_(pa.string())),
-                pa.field("judge_model", pa.string()),
-                pa.field("judge_score", pa.float64()),
-                pa.field("independent_reward", pa.float64()),
-                pa.field("explanation", pa.string()),
-                pa.field("judge_error", pa.string()),
-                pa.field("group_judge_cost_usd", pa.float64()),
-            ]
-        )
-        pq.write_table(pa.Table.from_pylist(rows, schema=schema), path)
+        pq.write_table(pa.Table.from_pylist(rows, schema=arrow_schema()), path)
+    elif fmt == "hf":
+        try:
+            import datasets
+        except ImportError as exc:
+            raise ImportError("--format hf needs datasets: pip install 'artery[export]'") from exc
+
+        features = datasets.Features.from_arrow_schema(arrow_schema())
+        datasets.Dataset.from_list(rows, features=features).save_to_disk(str(path))
     else:
         raise ValueError(f"format {fmt!r}: one of {', '.join(FORMATS)}")

