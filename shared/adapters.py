@@ -126,8 +126,10 @@ def unpack_adapter(data: bytes, dest: str | os.PathLike, expected_sha256: str) -
         staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
         try:
             # filter="data" is the standard library's own guard (no links, no special files,
-            # no paths outside the target) on top of the checks above.
-            tar.extractall(staging, members=members, filter="data")
+            # no paths outside the target) on top of the checks above. Python before 3.11.4
+            # (Debian 12 has 3.11.2) has no filters: there the checks above are the guard.
+            guard = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+            tar.extractall(staging, members=members, **guard)
             if dest.exists():
                 shutil.rmtree(dest)
             staging.rename(dest)

@@ -5,8 +5,11 @@ compose/schema/), and then against the project itself: every service runs a modu
 every ARTERY_* variable is a real setting whose value the service accepts, every file the
 compose file and the Dockerfiles name exists, the CPU-only image cannot pull torch, inference and
 trainer reserve GPUs in the gpu profile and have a CPU variant, and the wiring (NATS, PostgreSQL,
-traces, the checkpoint volume) agrees with the configuration files. When the `docker compose`
-CLI is installed, `docker compose config` checks the file too.
+traces, the checkpoint volume) agrees with the configuration files; Prometheus and the Grafana
+dashboard (profile observability) cover every service and metric; the stand-ins override used
+where no image registry is reachable swaps registry images only. When the `docker compose`
+CLI is installed, `docker compose config` checks the file too. The deployment actually built and
+run (podman) is `make compose-test` (loadtests/compose/), not part of this suite.
 """
 
 from __future__ import annotations
@@ -284,6 +287,12 @@ COMMON_NAMES = {row[0] for row in describe(CommonSettings, "ARTERY_")} | {
 SERVICE_NAMES = {kind: {row[0] for row in describe(cls, prefix)} for kind, (cls, prefix) in SETTINGS.items()}
 
 
+def metrics_variables(kind: str) -> set[str]:
+    """What shared.metrics reads (the /metrics, /healthz and /readyz server): not a settings
+    Struct, so named here after start_metrics_server's own rule."""
+    return {"ARTERY_METRICS_HOST", f"ARTERY_{kind.upper()}_METRICS_PORT"}
+
+
 def pyproject() -> dict:
     return tomllib.loads((ROOT / "pyproject.toml").read_text())
 
@@ -375,7 +384,7 @@ def test_service_sets_only_real_settings_with_valid_values(name):
     kind = kind_of(name)
     env = environment(SERVICES[name])
     artery_vars = {key for key in env if key.startswith("ARTERY_")}
-    known = COMMON_NAMES | SERVICE_NAMES.get(kind, set())
+    known = COMMON_NAMES | SERVICE_NAMES.get(kind, set()) | metrics_variables(kind)
     assert artery_vars - known == set(), f"{name}: not settings of {kind} (see `artery config`)"
     # A service-specific variable belongs to this service, not to another one.
     for other, (_, prefix) in SETTINGS.items():
@@ -415,15 +424,14 @@ def test_service_has_healthcheck_and_waits_for_what_it_needs(name):
     service = SERVICES[name]
     test = service["healthcheck"]["test"]
     assert test[0] == "CMD" and test[1] == "python", test
-    if test[3] == "nats":
-        # The name every service gives its NATS connection (shared.runtime.connect_service).
-        assert test[4] == f"artery-{kind_of(name)}"
-        monitor = urlsplit(test[5])
-        assert monitor.hostname == the_service("nats") and monitor.port == nats_monitor_port()
-    else:
-        assert test[3] == "http"
-        url = urlsplit(test[4])
-        assert url.port == int(environment(service)["ARTERY_INFERENCE_PORT"]) and url.path == "/health"
+    # Readiness, not liveness: /readyz of the service's metrics server (shared.health), which
+    # listens on every interface of the container at the port the service is given.
+    assert test[2:4] == ["/opt/artery/healthcheck.py", "http"], test
+    url = urlsplit(test[4])
+    env = environment(service)
+    assert (url.hostname, url.path) == ("127.0.0.1", "/readyz"), test
+    assert url.port == int(env[f"ARTERY_{kind_of(name).upper()}_METRICS_PORT"]), test
+    assert env["ARTERY_METRICS_HOST"] in ("0.0.0.0", "::"), "Prometheus scrapes it from another container"
     depends = service["depends_on"]
     assert depends[the_service("nats")]["condition"] == "service_healthy"
     if kind_of(name) != "inference":
@@ -449,7 +457,10 @@ def test_inference_and_trainer_reserve_gpus_and_have_a_cpu_variant():
     by_profile: dict[str, set[str]] = {"gpu": set(), "cpu": set()}
     for name, service in SERVICES.items():
         profiles = set(service.get("profiles") or [])
-        assert profiles <= {"gpu", "cpu"}, f"{name}: unknown profiles {profiles}"
+        assert profiles <= {"gpu", "cpu", "observability"}, f"{name}: unknown profiles {profiles}"
+        if profiles == {"observability"}:
+            assert name not in ARTERY_SERVICES, f"{name}: an Artery service only in `observability`"
+            continue
         devices = service.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
         gpus = [d for d in devices if d.get("driver") == "nvidia" and "gpu" in d.get("capabilities", [])]
         if "gpu" in profiles:
@@ -805,6 +816,171 @@ async def test_nats_conf_runs_with_the_generated_users_and_the_healthcheck_sees_
         assert run_healthcheck() == 2
     finally:
         await nc.close()
+
+
+# --- profile observability: Prometheus and Grafana -------------------------------------------------
+
+#: Metrics the dashboard may leave out, and why.
+NOT_ON_DASHBOARD = {
+    # A gauge for reading /metrics without Prometheus; the dashboard shows rate() of the counter.
+    "artery_inference_tokens_per_second",
+}
+_METRIC_NAME = re.compile(r"\b(artery_[a-z0-9_]+|up)\b")
+
+
+def mounted_file(service: dict, target: str) -> Path:
+    """The file or folder of this repository that ``service`` mounts at ``target``."""
+    for source, mounted in volume_mounts(service):
+        if mounted == target and is_bind_source(source):
+            return (COMPOSE_DIR / source).resolve()
+    raise AssertionError(f"nothing of the repository is mounted at {target}")
+
+
+def exposed_metric_samples() -> dict[str, str]:
+    """Sample name -> metric family, for every metric of shared.metrics (``_total``, ``_bucket``...)."""
+    from prometheus_client import REGISTRY
+
+    import artery.shared.metrics  # noqa: F401 (declares them)
+
+    suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"], "gauge": [""]}
+    return {
+        family.name + suffix: family.name
+        for family in REGISTRY.collect()
+        if family.name.startswith("artery_")
+        for suffix in suffixes.get(family.type, [""])
+    }
+
+
+def test_prometheus_scrapes_every_artery_service_on_its_metrics_port():
+    service = SERVICES["prometheus"]
+    command = service["command"]
+    config_path = next(c.split("=", 1)[1] for c in command if c.startswith("--config.file="))
+    config = yaml.safe_load(mounted_file(service, config_path).read_text())
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    job = jobs["artery"]
+    names = {n for sd in job["dns_sd_configs"] for n in sd["names"]}
+    ports = {sd["port"] for sd in job["dns_sd_configs"]}
+    for name in ARTERY_SERVICES:
+        env = environment(SERVICES[name])
+        aliases = set((SERVICES[name].get("networks") or {}).get("default", {}).get("aliases", []))
+        assert names & ({name} | aliases), f"{name}: Prometheus finds it by none of its names"
+        assert ports == {int(env[f"ARTERY_{kind_of(name).upper()}_METRICS_PORT"])}, name
+    # Every name it looks up is a service or an alias in compose.yaml (no typo scrapes nothing).
+    known = set(SERVICES) | {
+        alias
+        for s in SERVICES.values()
+        for alias in (s.get("networks") or {}).get("default", {}).get("aliases", [])
+    }
+    assert names <= known, names - known
+    promtool = shutil.which("promtool")
+    if promtool:  # Debian's prometheus package brings it; not installed here by default
+        path = mounted_file(service, config_path)
+        result = subprocess.run([promtool, "check", "config", str(path)], capture_output=True, text=True)
+        assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_grafana_provisions_the_dashboard_and_it_shows_every_metric():
+    service = SERVICES["grafana"]
+    provisioning = mounted_file(service, "/etc/grafana/provisioning")
+    sources = yaml.safe_load((provisioning / "datasources" / "prometheus.yaml").read_text())["datasources"]
+    (source,) = sources
+    assert source["type"] == "prometheus"
+    prometheus_port = int(SERVICES["prometheus"]["ports"][0].rsplit(":", 1)[1])
+    assert urlsplit(source["url"])[1] == f"prometheus:{prometheus_port}"
+    providers = yaml.safe_load((provisioning / "dashboards" / "artery.yaml").read_text())["providers"]
+    folder = mounted_file(service, providers[0]["options"]["path"])
+    dashboards = sorted(folder.glob("*.json"))
+    assert dashboards, f"no dashboard in {folder}"
+    samples = exposed_metric_samples()
+    shown: set[str] = set()
+    for path in dashboards:
+        dashboard = json.loads(path.read_text())
+        assert dashboard["uid"] and dashboard["title"], path.name
+        panels = dashboard["panels"]
+        assert len({p["id"] for p in panels}) == len(panels), f"{path.name}: panel ids repeat"
+        for panel in panels:
+            assert set(panel["gridPos"]) == {"h", "w", "x", "y"}, panel["title"]
+            assert panel["datasource"]["uid"] == source["uid"], panel["title"]
+            assert panel["targets"], f"{panel['title']}: no query"
+            for target in panel["targets"]:
+                expr = target["expr"]
+                assert target["datasource"]["uid"] == source["uid"], panel["title"]
+                assert expr.count("(") == expr.count(")") and expr.count("[") == expr.count("]"), expr
+                used = set(_METRIC_NAME.findall(expr))
+                assert used, f"{panel['title']}: queries no metric"
+                used.discard("up")  # Prometheus's own, per target
+                unknown = used - set(samples)
+                assert not unknown, f"{panel['title']}: {unknown} are not metrics of shared/metrics.py"
+                shown |= {samples[name] for name in used}
+    missing = set(samples.values()) - shown - NOT_ON_DASHBOARD
+    assert not missing, f"metrics on no panel of the dashboard: {sorted(missing)}"
+
+
+# --- the stand-ins for hosts without an image registry (make compose-test) ---------------------
+
+STANDINS_FILE = COMPOSE_DIR / "compose.standins.yaml"
+RESET = object()  # the value of a `!reset` tag: the key is dropped from what it overrides
+
+
+class _OverrideLoader(yaml.SafeLoader):
+    pass
+
+
+_OverrideLoader.add_constructor("!reset", lambda loader, node: RESET)
+
+
+def test_standins_override_only_swaps_registry_images_for_local_builds():
+    """compose.standins.yaml replaces the registry's images only (never an Artery service), each
+    with a clearly named local image that has a Containerfile in standins/."""
+    override = yaml.load(STANDINS_FILE.read_text(), Loader=_OverrideLoader)["services"]
+    assert set(override) <= set(SERVICES) and not set(override) & set(ARTERY_SERVICES)
+    for name, service in override.items():
+        if "image" in service:
+            image = service["image"]
+            assert "build" not in SERVICES[name], f"{name}: an image the project builds itself"
+            assert re.fullmatch(r"localhost/artery-standin-[a-z-]+:latest", image), image
+            stem = image.split("artery-standin-", 1)[1].split(":")[0]
+            assert (COMPOSE_DIR / "standins" / f"{stem}.Containerfile").is_file(), stem
+            assert service.get("pull_policy") == "never", f"{name}: a stand-in is never pulled"
+        else:  # what has no stand-in is left out by a profile nobody enables by default
+            assert set(service) == {"profiles"}, name
+            assert not set(service["profiles"]) & set(read_env_file()["COMPOSE_PROFILES"].split(","))
+            for other, spec in SERVICES.items():
+                if override.get(other, {}).get("depends_on") is RESET:
+                    continue
+                assert name not in (spec.get("depends_on") or {}), f"{other} depends on {name}, left out"
+
+
+def test_otlp_recorder_records_the_spans_a_service_exports(tmp_path):
+    """The stand-in for the collector and Jaeger: what an Artery service's exporter sends over
+    OTLP/HTTP comes back on GET /spans, with its trace, parent and service name."""
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+    port = free_port()
+    script = COMPOSE_DIR / "standins" / "otlp_recorder.py"
+    command = [sys.executable, str(script), "--port", str(port), "--config=/etc/otelcol/config.yaml"]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for_port(port, 10.0, proc, "otlp_recorder")
+        provider = TracerProvider(resource=Resource.create({"service.name": "collector"}))
+        url = f"http://127.0.0.1:{port}"
+        provider.add_span_processor(SimpleSpanProcessor(OTLPSpanExporter(endpoint=f"{url}/v1/traces")))
+        tracer = provider.get_tracer("test")
+        with tracer.start_as_current_span("outer") as outer, tracer.start_as_current_span("inner"):
+            trace_id = format(outer.get_span_context().trace_id, "032x")
+        provider.shutdown()
+        import urllib.request
+
+        with urllib.request.urlopen(f"{url}/spans?trace_id={trace_id}", timeout=10) as response:
+            spans = {s["name"]: s for s in json.load(response)}
+        assert set(spans) == {"outer", "inner"}
+        assert spans["inner"]["parent_span_id"] == spans["outer"]["span_id"]
+        assert {s["service"] for s in spans.values()} == {"collector"}
+    finally:
+        stop_process(proc, signal.SIGTERM, 10.0)
 
 
 def test_docker_compose_config_when_the_cli_is_installed(tmp_path):
