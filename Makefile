@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup setup-vllm browser demo prepare-model test test-vllm test-stress fuzz lint format schemas bench chaos soak clean
+.PHONY: setup setup-vllm browser demo demo-agent prepare-model test test-vllm test-stress fuzz lint format schemas bench chaos soak compose-test clean
 
 setup: $(STAMP)
 
@@ -46,6 +46,10 @@ prepare-model: $(SMOLLM2_STAMP)
 # Options go in DEMO_ARGS, e.g. make demo DEMO_ARGS="--model tiny" (see python -m artery.demo --help).
 demo: prepare-model
 	$(PY) -m artery.demo $(DEMO_ARGS)
+
+# A multi-turn tool-using agent learns (README, "make demo-agent"); options in DEMO_AGENT_ARGS.
+demo-agent: prepare-model
+	$(PY) -m artery.demo_agent $(DEMO_AGENT_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .
@@ -100,6 +104,14 @@ chaos: setup
 # Steady ingest at 80% of the measured maximum for 5 minutes (--duration); memory must stay flat.
 soak: setup
 	$(PY) -m loadtests.soak
+
+# The compose deployment built and run with podman (loadtests/compose/, compose/README.md): installs
+# podman, runc and debootstrap when missing (apt-get), podman-compose into .artery/compose/venv,
+# builds a Debian base image and every image, runs the cpu profile with the local stand-ins
+# (compose/compose.standins.yaml), checks training, a SIGKILL, down/up, NATS users and a trace, and
+# removes its containers and volumes (images stay cached; COMPOSE_TEST_ARGS=--remove-images: not).
+compose-test: setup
+	$(PY) -m loadtests.compose $(COMPOSE_TEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
