@@ -32,9 +32,9 @@ def test_calculator_tool():
     assert tool_use.run_tool("calculator", '{"expression": "6 * 7"}') == ('{"result": 42}', True)
     assert tool_use.run_tool("calculator", '{"expression": "1 / 4"}') == ('{"result": 0.25}', True)
     for name, arguments, message in [
-        ("calculator", '{"expression": "__import__(\'os\')"}', "unsupported expression"),
+        ("calculator", '{"expression": "__import__(\'os\')"}', "only numbers"),
         ("calculator", '{"expression": "1 / 0"}', "division by zero"),
-        ("calculator", '{"expression": "2 ** 3"}', "unsupported expression"),
+        ("calculator", '{"expression": "2 ** 3"}', "only numbers"),
         ("calculator", "not json", "Expecting value"),
         ("calculator", '{"expr": "1"}', "expected arguments"),
         ("search", "{}", "unknown tool 'search'"),

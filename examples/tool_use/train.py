@@ -18,10 +18,8 @@ was right is kept as ``metrics["independent_reward"]``.
 from __future__ import annotations
 
 import argparse
-import ast
 import asyncio
 import json
-import operator
 import os
 import random
 import re
@@ -33,6 +31,7 @@ from typing import Any
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
 import artery as art
+from artery.demo_agent.task import calculate  # the same safe calculator as make demo-agent
 
 #: The tiny random Qwen2 built locally (no model hub): gibberish answers, but every path runs.
 TINY = "artery/tiny-random"
@@ -60,43 +59,6 @@ RUBRIC = """
 - Malformed tool calls, calls to tools that do not exist and unnecessary extra turns lower the score.
 - Give partial credit for progress (a correct tool call without a final answer is better than nothing).
 """  # noqa: E501
-
-_OPERATORS = {
-    ast.Add: operator.add,
-    ast.Sub: operator.sub,
-    ast.Mult: operator.mul,
-    ast.Div: operator.truediv,
-    ast.USub: operator.neg,
-    ast.UAdd: operator.pos,
-}
-
-
-def calculate(expression: str) -> float:
-    """Evaluate + - * / and parentheses on numbers; anything else is a ValueError (no ``eval``)."""
-
-    def value(node: ast.AST) -> float:
-        if (
-            isinstance(node, ast.Constant)
-            and isinstance(node.value, int | float)
-            and not isinstance(node.value, bool)
-        ):
-            return node.value
-        if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
-            return _OPERATORS[type(node.op)](value(node.left), value(node.right))
-        if isinstance(node, ast.UnaryOp) and type(node.op) in _OPERATORS:
-            return _OPERATORS[type(node.op)](value(node.operand))
-        raise ValueError(f"unsupported expression: {ast.dump(node)[:80]}")
-
-    if len(expression) > 200:
-        raise ValueError("expression too long")
-    try:
-        tree = ast.parse(expression, mode="eval")
-    except SyntaxError as exc:
-        raise ValueError(f"not an expression: {exc.msg}") from None
-    try:
-        return value(tree.body)
-    except ZeroDivisionError:
-        raise ValueError("division by zero") from None
 
 
 def run_tool(name: str, arguments: str) -> tuple[str, bool]:
