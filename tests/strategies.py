@@ -297,6 +297,8 @@ def _non_finite(path, value):
 
 def _json_non_finite(literal: bytes):
     payload = with_raw(_BASE, ("trajectories", 1, "reward"), literal, JSON)
+    if literal.lstrip(b"-") in (b"NaN", b"Infinity"):  # what json.dumps writes: named for what it is
+        return _group_hostile("non_finite", payload, JSON, {"non_finite"}, r"NaN|Infinity")
     return _group_hostile("non_finite", payload, JSON, {"decode", "validation"}, r"malformed|out of range")
 
 
