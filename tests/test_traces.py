@@ -89,8 +89,15 @@ async def test_one_trace_follows_a_rollout_from_completion_to_adapter_load(tmp_p
     assert not orphans, orphans
 
     agent = only(spans, "agent.episode").service
+    # The replica shares the trainer's machine: it loads the adapter as soon as it is saved (a child
+    # of the step), while the publisher copies it into the Object Store beside it.
     assert chain(only(spans, "inference.load_adapter"), by_id) == [
         ("inference", "inference.load_adapter"),
+        ("trainer", "trainer.step"),
+        (agent, "artery.train"),
+        (agent, "agent.episode"),
+    ]
+    assert chain(only(spans, "publisher.publish_checkpoint"), by_id) == [
         ("publisher", "publisher.publish_checkpoint"),
         ("trainer", "trainer.step"),
         (agent, "artery.train"),

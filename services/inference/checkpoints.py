@@ -308,10 +308,19 @@ class CheckpointWatcher:
                 continue
             if self._pending:
                 step, received = self._take_newest()
-                await self._handle(received, "inference.load_adapter", self._load(step, received.event))
+                if not self._loaded_already(step, received.event):
+                    await self._handle(received, "inference.load_adapter", self._load(step, received.event))
             deletions, self._deletions = self._deletions, {}
             for step, received in sorted(deletions.items()):
                 await self._handle(received, "inference.unload_adapter", self._unload(step, received.event))
+
+    def _loaded_already(self, step: int, event: CheckpointPublished | CheckpointSaved) -> bool:
+        """A published step whose bytes were loaded from the trainer's file: settled, no second load."""
+        if isinstance(event, CheckpointPublished) and self._steps.get(step) == event.sha256:
+            self._settled[step] = event.sha256
+            self._track_lag()
+            return True
+        return False
 
     def _take_newest(self) -> tuple[int, _Received]:
         """The highest pending step; the lower ones are skipped (training has moved past them)."""
