@@ -297,26 +297,18 @@ def pyproject() -> dict:
     return tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 
+def requirements_lister():
+    """compose/requirements.py, what the Dockerfiles install dependencies with (not a package)."""
+    spec = importlib.util.spec_from_file_location("compose_requirements", COMPOSE_DIR / "requirements.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def requirements_of_extras(extras: set[str]) -> list[Requirement]:
     """The project's own requirements for ``.[extras]``, self-references (artery[ml]) expanded."""
-    project = pyproject()["project"]
-    name = canonicalize_name(project["name"])
-    optional = project.get("optional-dependencies", {})
-    requirements = [Requirement(r) for r in project["dependencies"]]
-    todo, seen = list(extras), set()
-    while todo:
-        extra = todo.pop()
-        if extra in seen:
-            continue
-        assert extra in optional, f"extra {extra!r} is not in pyproject.toml"
-        seen.add(extra)
-        for text in optional[extra]:
-            requirement = Requirement(text)
-            if canonicalize_name(requirement.name) == name:
-                todo.extend(requirement.extras)
-            else:
-                requirements.append(requirement)
-    return requirements
+    listed = requirements_lister().requirements(pyproject()["project"], sorted(extras))
+    return [Requirement(text) for text in listed]
 
 
 def dependency_closure(requirements: list[Requirement]) -> tuple[set[str], set[str]]:
@@ -490,6 +482,37 @@ def test_images_install_the_right_extras():
             assert "cpu" in extras[0], f"{name}: the CPU variant installs the cpu extra"
         else:
             assert extras[0] <= {"reward"}, f"{name}: the slim image installs the core (+ reward) only"
+
+
+def test_images_install_dependencies_before_the_sources():
+    """Each Dockerfile installs its extras' requirements (compose/requirements.py) before copying
+    the sources, then the project itself with --no-deps: a source change keeps torch's layer."""
+    for dockerfile in sorted({build_paths(SERVICES[n])[1] for n in ARTERY_SERVICES}):
+        instructions = dockerfile_instructions(dockerfile)
+        (extras,) = installed_extras(dockerfile)
+        listed = [
+            (i, re.search(r"requirements\.py ([\w,]+) > requirements\.txt", arguments))
+            for i, (keyword, arguments) in enumerate(instructions)
+            if keyword == "RUN" and "requirements.py" in arguments
+        ]
+        assert len(listed) == 1 and listed[0][1], f"{dockerfile.name}: no `requirements.py <extras>` step"
+        at, match = listed[0]
+        assert set(match[1].split(",")) == extras, f"{dockerfile.name}: lists {match[1]}, installs {extras}"
+        first_source = min(
+            i
+            for i, (keyword, arguments) in enumerate(instructions)
+            if keyword == "COPY" and "artery" in arguments
+        )
+        assert at < first_source, f"{dockerfile.name}: dependencies installed after the sources are copied"
+        project_install = [
+            a for k, a in instructions if k == "RUN" and re.search(r"pip install .*[\"']\.\[", a)
+        ]
+        assert all("--no-deps" in a for a in project_install), f"{dockerfile.name}: the project with its deps"
+    # Self-references resolve, and the lister refuses an extra pyproject does not have.
+    names = {canonicalize_name(r.name) for r in requirements_of_extras({"cpu"})}
+    assert {"torch", "peft", "fastapi", "pyarrow", "msgspec"} <= names and "artery" not in names
+    with pytest.raises(SystemExit, match="no extra"):
+        requirements_lister().requirements(pyproject()["project"], ["no-such-extra"])
 
 
 def test_slim_image_cannot_pull_torch():
