@@ -14,6 +14,7 @@ import hashlib
 import io
 import os
 import shutil
+import stat
 import tarfile
 import tempfile
 from pathlib import Path, PurePosixPath
@@ -59,6 +60,28 @@ def local_file(uri: str) -> Path:
     if not path.is_absolute():
         raise AdapterError(f"{uri[:200]!r}: the path must be absolute")
     return path
+
+
+def read_archive_file(path: Path, max_bytes: int = MAX_ADAPTER_BYTES) -> bytes:
+    """The bytes of an adapter archive a message names by path: a regular file of at most
+    ``max_bytes``. A device (``/dev/zero``), a FIFO (which would block the reader for good) or a
+    directory raises ``AdapterError`` before anything is read; the checks are made on the opened
+    file itself, so a path swapped in between cannot slip past them. ``OSError`` when unreadable."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise AdapterError(f"{path} is not a regular file")
+        if info.st_size > max_bytes:
+            raise AdapterError(f"{path} is {info.st_size} bytes, over {max_bytes}")
+    except BaseException:
+        os.close(fd)
+        raise
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:  # grew while it was read
+        raise AdapterError(f"{path} is over {max_bytes} bytes")
+    return data
 
 
 def check_member_name(name: str) -> None:

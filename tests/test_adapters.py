@@ -24,6 +24,7 @@ from artery.shared.adapters import (
     get_adapter,
     pack_adapter,
     put_adapter,
+    read_archive_file,
     sha256_hex,
     unpack_adapter,
 )
@@ -261,3 +262,23 @@ async def test_watcher_unloads_a_step_that_retention_deleted(js, tmp_path):
         assert (tmp_path / "cache" / PROJECT / MODEL / "step-2").exists()
     finally:
         await watcher.stop()
+
+
+def test_a_named_archive_file_is_read_only_if_it_is_a_regular_file_within_the_limit(tmp_path):
+    """What a ``checkpoint.saved`` event names is read by replicas: a device would exhaust memory,
+    a FIFO would block the loader for good, so neither is read at all."""
+    archive = tmp_path / "step-1.tar"
+    archive.write_bytes(b"x" * 100)
+    assert read_archive_file(archive) == b"x" * 100
+    with pytest.raises(AdapterError, match="over 99"):
+        read_archive_file(archive, max_bytes=99)
+    with pytest.raises(AdapterError, match="not a regular file"):
+        read_archive_file(Path("/dev/zero"))
+    with pytest.raises(AdapterError, match="not a regular file"):
+        read_archive_file(tmp_path)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(AdapterError, match="not a regular file"):
+        read_archive_file(fifo)  # returns at once: opened non-blocking, refused by its type
+    with pytest.raises(FileNotFoundError):
+        read_archive_file(tmp_path / "missing.tar")

@@ -32,7 +32,9 @@ step. The bytes are checked against the saved event's sha256 as a fetch is; the 
 ``checkpoint.published`` for that step then finds the same sha256 loaded and does nothing. A file
 this replica cannot read (another machine, another container) is no error: the published event
 follows, and the adapter comes from the Object Store as without ``load_saved``. Only the trainer
-may publish ``checkpoint.saved`` (shared/permissions.py), so no agent can point a replica at a file.
+may publish ``checkpoint.saved`` (shared/permissions.py), so no agent can point a replica at a file;
+and a file is read only if it is a regular one within the adapter size limit, then unpacked under
+the same sha256 and archive checks as a fetched adapter.
 
 ``lag()`` says when the replica has served an older step than the newest published one for
 longer than ``max_lag_s`` (``/health`` turns that into a 503).
@@ -67,7 +69,14 @@ from artery.schemas import CheckpointDeleted, CheckpointPublished, CheckpointSav
 from artery.services.inference.engine.base import Engine
 from artery.services.inference.serving import CheckpointLag
 from artery.shared import subjects
-from artery.shared.adapters import AdapterError, AdapterNotFound, get_adapter, local_file, unpack_adapter
+from artery.shared.adapters import (
+    AdapterError,
+    AdapterNotFound,
+    get_adapter,
+    local_file,
+    read_archive_file,
+    unpack_adapter,
+)
 from artery.shared.bus import CONTENT_TYPE
 from artery.shared.codec import EventDecoder
 from artery.shared.errors import InvalidMessage
@@ -380,7 +389,7 @@ class CheckpointWatcher:
     async def _load_saved(self, step: int, name: str, event: CheckpointSaved) -> str | None:
         """The trainer's archive from its file; None (the published event follows) when unreadable."""
         try:
-            data = await asyncio.to_thread(local_file(event.uri).read_bytes)
+            data = await asyncio.to_thread(read_archive_file, local_file(event.uri))
             dest = self.cache_dir / f"step-{step}"
             path = await asyncio.to_thread(unpack_adapter, data, dest, event.sha256)
         except (OSError, AdapterError) as exc:
