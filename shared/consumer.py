@@ -139,16 +139,22 @@ class DurableConsumer:
             outcomes = list(await self.handler(msgs))
         except Exception as exc:
             outcomes = [exc] * len(msgs)
-        outage = False
+        outage: BaseException | None = None  # the first sign that NATS or a dependency is away
         for msg, outcome in zip(msgs, outcomes, strict=True):
-            outage |= isinstance(outcome, DependencyUnavailable)
-            await self._settle(msg, outcome)
-        if outage:
-            log.warning(
-                "dependency unavailable; backing off",
-                seconds=self._backoff,
-                error=str(next(o for o in outcomes if isinstance(o, DependencyUnavailable))),
-            )
+            if isinstance(outcome, DependencyUnavailable):
+                outage = outage or outcome
+            try:
+                await self._settle(msg, outcome)
+            except Exception as exc:
+                # The ack, nak or dead letter did not reach NATS (a reconnect, a publish timeout):
+                # the message stays unacknowledged and is redelivered after ack_wait, and a dead
+                # letter published twice keeps its fixed id. The loop itself must go on.
+                outage = outage or exc
+                log.warning(
+                    "message not settled; it will be redelivered", subject=msg.subject, error=repr(exc)
+                )
+        if outage is not None:
+            log.warning("dependency unavailable; backing off", seconds=self._backoff, error=str(outage))
             await self._sleep(self._backoff)
             self._backoff = min(self._backoff * 2, self.options.backoff_max_s)
         else:

@@ -62,10 +62,20 @@ async def serve_consumers(
         await extra.start()
     log.info("ready", **ready)
     task = asyncio.create_task(service.run())
-    await stop.wait()
+    stopping = asyncio.create_task(stop.wait())
+    # The consume loops end only when asked; one that ends first (a bug, an error nobody caught)
+    # must end the process rather than leave it answering /readyz with nothing consumed, so that
+    # its supervisor (compose's restart policy, `artery up`) sees it and starts it again.
+    await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
     for extra in reversed(extras):
         await extra.stop()
     service.stop()
-    await task
-    await service.close()
-    await bus.close(nc)
+    crashed = not stop.is_set()
+    try:
+        await task
+    finally:
+        await service.close()
+        await bus.close(nc)
+    if crashed:
+        raise RuntimeError(f"the {title or name}'s consumers stopped without being asked to")
