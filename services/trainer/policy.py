@@ -35,7 +35,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -242,6 +242,7 @@ class Policy:
         temperature: float = 1.0,
         allow_training_without_logprobs: bool = False,
         off_policy: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> StepResult:
         """One GRPO step. ``temperature`` is the sampler's: new logprobs are taken at it, as the
         sampler's old ones were. ``config.grad_accumulation_sequences`` (when set) splits the step's
@@ -262,6 +263,7 @@ class Policy:
             self.tokenizer,
             max_seq_len=max_seq_len,
             allow_training_without_logprobs=allow_training_without_logprobs,
+            chat_template_kwargs=chat_template_kwargs,
         )
         self.step += 1
         metrics = dict(plan.metrics)
@@ -370,7 +372,12 @@ class Policy:
         return result
 
     def sft_step(
-        self, trajectories: Sequence[Trajectory], config: TrainSFTConfig, *, max_seq_len: int
+        self,
+        trajectories: Sequence[Trajectory],
+        config: TrainSFTConfig,
+        *,
+        max_seq_len: int,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> StepResult:
         """One supervised fine-tuning step (ART's ``train_sft``): the trajectories, in order,
         ``config.batch_size`` per optimizer update, each batch at its own learning rate; the loss
@@ -386,7 +393,10 @@ class Policy:
         updates: list[dict[str, float]] = []
         for index, rate in enumerate(rates):
             sequences, report = sft_sequences(
-                trajectories[index * size : (index + 1) * size], self.tokenizer, max_seq_len=max_seq_len
+                trajectories[index * size : (index + 1) * size],
+                self.tokenizer,
+                max_seq_len=max_seq_len,
+                chat_template_kwargs=chat_template_kwargs,
             )
             for key, value in report.counts().items():
                 counts[key] = counts.get(key, 0.0) + float(value)

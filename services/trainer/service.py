@@ -247,7 +247,7 @@ class Trainer(ConsumingService):
         else:
             async with self._hold_inference(request) as lease:
                 pause_s = time.monotonic() - started
-                result, extra = await self._step(policy, step, request, groups)
+                result, extra = await self._step(policy, step, request, record, groups)
                 new_step = step + 1
                 save_started = time.monotonic()
                 await asyncio.to_thread(
@@ -307,12 +307,22 @@ class Trainer(ConsumingService):
             timeout_s=self.settings.pause_timeout_s,
         )
 
-    async def _step(self, policy, step: int, request: TrainRequest, groups: list) -> tuple:
-        """The optimizer work of one request, in a thread; returns its result and extra metrics."""
+    async def _step(
+        self, policy, step: int, request: TrainRequest, record: ModelRecord, groups: list
+    ) -> tuple:
+        """The optimizer work of one request, in a thread; returns its result and extra metrics.
+
+        Prompts are rendered with the model's ``chat_template_kwargs``, the ones the SDK sends
+        with every completion request: inference rendered the sampled turns' prompts with them."""
+        template = record.chat_template_kwargs
         if isinstance(request, TrainSFTRequested):
             trajectories = [t for group in groups for t in group]
             result = await asyncio.to_thread(
-                policy.sft_step, trajectories, request.config, max_seq_len=self.settings.max_seq_len
+                policy.sft_step,
+                trajectories,
+                request.config,
+                max_seq_len=self.settings.max_seq_len,
+                chat_template_kwargs=template,
             )
             return result, {}
         extra: dict[str, float] = {}
@@ -332,6 +342,7 @@ class Trainer(ConsumingService):
             max_seq_len=self.settings.max_seq_len,
             temperature=self.settings.temperature,
             off_policy=off_policy,
+            chat_template_kwargs=template,
         )
         return result, extra
 
