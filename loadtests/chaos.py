@@ -380,6 +380,11 @@ async def replica_paused(backend: RecordingBackend) -> bool | None:
         return None
 
 
+#: How long the checks wait for the publisher to record the last step (it takes well under a
+#: second; a publisher that was killed restarts within the run's own readiness waits).
+PUBLISH_WAIT_S = 60.0
+
+
 def trainer_resumes(log_path: Path, kills: list[Kill]) -> None:
     """Fill ``resumed_from`` and ``next_step`` of each trainer kill from the restarted trainer's log."""
     trainer_kills = sorted((k for k in kills if k.service == "trainer"), key=lambda k: k.log_offset)
@@ -419,12 +424,21 @@ async def verify(backend: RecordingBackend, model: art.TrainableModel, workload:
             PROJECT,
             MODEL,
         )
-        published_steps = await conn.fetch(
-            "SELECT step FROM checkpoints WHERE project = $1 AND model = $2 AND published_at IS NOT NULL"
-            " ORDER BY step",
-            PROJECT,
-            MODEL,
-        )
+        # train() returns once a replica serves the new step, and a replica on the trainer's
+        # machine loads it from the trainer's file (checkpoint.saved) before the publisher has
+        # put it in the Object Store and recorded it: wait for the publisher's row of the last step.
+        last_step = len(workload.steps)
+        deadline = time.monotonic() + PUBLISH_WAIT_S
+        while True:
+            published_steps = await conn.fetch(
+                "SELECT step FROM checkpoints WHERE project = $1 AND model = $2 AND published_at IS NOT NULL"
+                " ORDER BY step",
+                PROJECT,
+                MODEL,
+            )
+            if (published_steps and published_steps[-1]["step"] >= last_step) or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.2)
     finally:
         await conn.close()
     stored = {r["id"]: (r["num_trajectories"], r["stored"]) for r in rows}
