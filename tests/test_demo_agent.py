@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 
+import msgspec
 import pytest
 
 from artery.demo_agent import agent, cli, task
@@ -108,6 +109,82 @@ def test_prompt_shows_the_call_format_and_one_worked_example():
         agent.call_text("calculator", "{bad json")
         == '<tool_call>\n{"name": "calculator", "arguments": "{bad json"}\n</tool_call>'
     )
+
+
+class ScriptedEndpoint:
+    """The OpenAI client's ``chat.completions.create``: a tool call, then the answer, each with
+    its sampled token ids and logprobs (as Artery's inference returns them); records what it is sent."""
+
+    def __init__(self):
+        self.sent: list[list[dict]] = []
+        self.chat = self.completions = self
+
+    def openai_client(self):
+        return self
+
+    def get_inference_name(self):
+        return "agent@0"
+
+    async def create(self, *, messages, **kwargs):
+        from openai.types.chat import ChatCompletion
+
+        self.sent.append([dict(m) for m in messages])
+        if len(self.sent) == 1:
+            message = {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "calculator", "arguments": '{"expression": "37 * 12"}'},
+                    }
+                ],
+            }
+            tokens, finish = [11, 12, 13], "tool_calls"
+        else:
+            message, tokens, finish = {"role": "assistant", "content": "444"}, [21, 22], "stop"
+        logprobs = {
+            "content": [
+                {"token": f"t{t}", "logprob": -0.5, "bytes": None, "top_logprobs": []} for t in tokens
+            ]
+        }
+        return ChatCompletion.model_validate(
+            {
+                "id": "c",
+                "object": "chat.completion",
+                "created": 0,
+                "model": "agent@0",
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": message,
+                        "finish_reason": finish,
+                        "logprobs": logprobs,
+                        "token_ids": tokens,
+                    }
+                ],
+            }
+        )
+
+
+async def test_the_trajectory_holds_each_turn_as_it_went_back_to_the_model():
+    """The trainer renders each sampled turn's prompt from the stored messages: they must be what
+    the model was sent (the call written out, as it went back), with every turn's sampled tokens."""
+    from artery.convert import to_messages
+
+    endpoint = ScriptedEndpoint()
+    q = task.Question("What is 37 * 12?", 444, "times")
+    trajectory = await agent.rollout(endpoint, q, temperature=0.7)
+    assert trajectory.reward == 1.0
+    stored = [msgspec.to_builtins(m) for m in to_messages(trajectory.messages_and_choices)]
+    last_request = endpoint.sent[-1]
+    assert len(stored) == len(last_request) + 1  # the final answer follows what was sent last
+    for sent, kept in zip(last_request, stored, strict=False):
+        assert {k: kept.get(k) for k in sent} == sent, (sent, kept)
+        assert not kept.get("tool_calls")
+    samples = [m["sample"]["token_ids"] for m in stored if m.get("sample")]
+    assert samples == [[11, 12, 13], [21, 22]]  # both turns trained, as sampled
 
 
 def test_presets_fill_what_the_command_line_leaves_out():

@@ -12,7 +12,10 @@ Two things the prompt does for small models, whatever their chat template makes 
   ``tools``; a template that does shows them twice, which does no harm);
 - an assistant turn that called a tool goes back to the model with the call written out in that
   format as its content (SmolLM2's template drops ``tool_calls``, so the model would otherwise
-  see an empty turn before the tool's result). The trajectory still holds the ``Choice`` itself.
+  see an empty turn before the tool's result). The trajectory holds that turn as it went back:
+  the ``Choice`` with the written-out call as its content and no ``tool_calls``, its sampled
+  tokens and logprobs kept. The trainer renders each later turn's prompt from the stored messages,
+  so they must be what the model was sent (``tests/test_demo_agent.py`` checks it).
 """
 
 from __future__ import annotations
@@ -98,15 +101,21 @@ async def rollout(
         )
         episode.turns += 1
         choice = response.choices[0]
-        trajectory.messages_and_choices.append(choice)
         tool_calls = choice.message.tool_calls or []
         if not tool_calls:
+            trajectory.messages_and_choices.append(choice)
             # An answer cut off by the token limit is no answer.
             episode.final = (choice.message.content or "") if choice.finish_reason == "stop" else None
             break
         written = [call_text(c.function.name, c.function.arguments) for c in tool_calls]
         content = "\n".join(filter(None, [choice.message.content, *written]))
         history.append({"role": "assistant", "content": content})
+        # The trajectory keeps the turn as it went back to the model (the call written out), with
+        # its sampled tokens: the trainer renders the next turn's prompt from the stored messages,
+        # and it must be the prompt the engine saw, not one with an empty assistant turn (SmolLM2's
+        # template drops tool_calls).
+        sent_back = choice.message.model_copy(update={"content": content, "tool_calls": None})
+        trajectory.messages_and_choices.append(choice.model_copy(update={"message": sent_back}))
         for call in tool_calls:
             result = run_tool(call.function.name, call.function.arguments)
             calls += 1

@@ -76,8 +76,6 @@ async def run(args: argparse.Namespace) -> dict:
         f"task: calculator tool, questions of kind {', '.join(args.kinds)}; model: {args.base_model}\n"
         "starting the embedded stack (NATS, PostgreSQL, collector, trainer, publisher, inference)..."
     )
-    await model.register(backend)
-    print(f"up in {time.monotonic() - started:.1f}s; serving {model.name} at {model.inference_base_url}")
 
     async def episode(q: Question, temperature: float, seed: int | None, name: str | None) -> art.Trajectory:
         return await agent.rollout(
@@ -108,6 +106,10 @@ async def run(args: argparse.Namespace) -> dict:
     held_out: list[dict] = []
     cursor = 0
     try:
+        # Inside the try: a start that fails half-way (a replica that never gets ready, Ctrl-C)
+        # still stops what it started.
+        await model.register(backend)
+        print(f"up in {time.monotonic() - started:.1f}s; serving {model.name} at {model.inference_base_url}")
         held_out.append(
             await evaluate(episode, held_out_items, args.eval_samples, f"{model.name}@0", 0, args.temperature)
         )

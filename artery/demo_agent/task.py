@@ -13,10 +13,11 @@ The reward rule (``reward``), the same for every kind:
 - **1.0**: the episode made a valid tool call (known tool, JSON arguments ``{"expression": ...}``,
   an expression the calculator evaluates) whose result is the correct answer, and then answered
   with a final message holding exactly one number, equal to the correct answer.
-- **0.2**: a valid tool call was made, but the final answer is missing, wrong, or names more than one
-  number (or the call computed something else and the model answered with that).
-- **0.0**: everything else: no valid call (a malformed block, an unknown tool, prose, an answer
-  guessed without the tool), an empty or cut-off final answer, or an episode that ran out of turns.
+- **0.2**: a valid tool call was made, but the final answer is missing (empty, cut off by the
+  token limit, or the turns ran out), wrong, or names more than one number (or the call computed
+  something else and the model answered with that).
+- **0.0**: no valid call (a malformed block, an unknown tool, prose, an answer guessed without the
+  tool), whatever the final answer.
 
 A right number without the tool scores 0, a list of numbers scores at most 0.2, and the tool only
 returns what its expression computes, so the only way to 1.0 is to call the tool with the right
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import operator
 import random
 import re
@@ -195,7 +197,8 @@ def reward_parts(episode: Episode, answer: int) -> dict[str, float]:
     numbers = answer_numbers(episode.final) if episode.final is not None else []
     return {
         "valid_call": float(bool(valid)),
-        "right_call": float(any(c.value == answer for c in valid)),
+        # isclose: "12 * 0.1 * 10000" computes 12000.000000000002 (the tool shows 12000.0)
+        "right_call": float(any(c.value is not None and math.isclose(c.value, answer) for c in valid)),
         "answered": float(episode.final is not None and bool(episode.final.strip())),
         "correct": float(len(numbers) == 1 and numbers[0] == answer),
     }
