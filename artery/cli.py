@@ -299,7 +299,7 @@ def cmd_export_model(args: argparse.Namespace) -> int:
                 dtype=args.dtype,
             )
         )
-    except LookupError as exc:
+    except (LookupError, FileExistsError) as exc:
         raise SystemExit(f"artery export-model: {exc}") from None
     what = f"{args.project}/{args.model} step {found.step}"
     print(f"{what} ({args.format}, base {found.base_identity}) -> {args.directory}")

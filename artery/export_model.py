@@ -165,6 +165,7 @@ async def export_model(
 ) -> PublishedStep:
     if fmt not in FORMATS:
         raise ValueError(f"format {fmt!r}: one of {', '.join(FORMATS)}")
+    check_output(output)
     found = await find_step(database_url, project, model, step)
     with tempfile.TemporaryDirectory(prefix="artery-export-") as scratch:
         adapter_dir = await fetch_adapter(settings, found, Path(scratch) / "adapter")
@@ -212,10 +213,33 @@ def _staging(output: Path) -> Path:
     return Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
 
 
+def check_output(output: Path) -> None:
+    """``output`` may be new, an empty directory or an earlier export (its model card says so), and
+    nothing else: an export replaces the directory, and ``.`` or a home directory must never go."""
+    if not output.exists() and not output.is_symlink():
+        return
+    if output.is_symlink() or not output.is_dir():
+        raise FileExistsError(f"{output} exists and is not a directory")
+    if not any(output.iterdir()) or _is_export(output):
+        return
+    raise FileExistsError(f"{output} is not empty and not an earlier export: choose a new directory")
+
+
+def _is_export(directory: Path) -> bool:
+    card = directory / "README.md"
+    return card.is_file() and "\n- artery\n" in card.read_text(errors="replace")[:2000]
+
+
 def _move_into_place(staging: Path, output: Path) -> Path:
+    """The new export in place of the old one, which is removed only once the new one is there."""
+    check_output(output)  # again: the directory may have changed while the model was written
+    old = None
     if output.exists():
-        shutil.rmtree(output)
+        old = Path(tempfile.mkdtemp(prefix=f".{output.name}.old.", dir=output.parent))
+        output.rename(old / output.name)
     staging.rename(output)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
     return output
 
 

@@ -241,3 +241,32 @@ async def test_exported_models_give_the_served_greedy_tokens_and_warm_start_a_mo
         assert any(not torch.equal(after[k], before[k]) for k in before)
     finally:
         await backend.close()
+
+
+def test_an_export_replaces_only_an_earlier_export_or_an_empty_directory(tmp_path):
+    from artery.export_model import _move_into_place, check_output
+
+    check_output(tmp_path / "new")  # not there yet
+    (tmp_path / "empty").mkdir()
+    check_output(tmp_path / "empty")
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "notes.txt").write_text("keep me")
+    with pytest.raises(FileExistsError, match="not an earlier export"):
+        check_output(home)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(FileExistsError, match="not a directory"):
+        check_output(tmp_path / "file")
+
+    # An earlier export is replaced whole, and only once the new one is complete.
+    earlier = tmp_path / "export"
+    earlier.mkdir()
+    (earlier / "README.md").write_text("---\nbase_model: x\ntags:\n- artery\n- grpo\n---\n")
+    (earlier / "stale.safetensors").write_text("old")
+    staging = tmp_path / ".export.new"
+    staging.mkdir()
+    (staging / "adapter_model.safetensors").write_text("new")
+    assert _move_into_place(staging, earlier) == earlier
+    assert sorted(p.name for p in earlier.iterdir()) == ["adapter_model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "export", "file", "home"]
+    assert (home / "notes.txt").read_text() == "keep me"
