@@ -270,3 +270,28 @@ def test_an_export_replaces_only_an_earlier_export_or_an_empty_directory(tmp_pat
     assert sorted(p.name for p in earlier.iterdir()) == ["adapter_model.safetensors"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "export", "file", "home"]
     assert (home / "notes.txt").read_text() == "keep me"
+
+
+async def test_a_warm_start_that_cannot_be_trained_is_refused_for_good(tmp_path):
+    """A model registered on an adapter directory the trainer refuses (pickle weights only, bad
+    JSON) fails its train request as not retriable, rather than being redelivered until poison."""
+    from artery.schemas import ModelRecord
+    from artery.services.trainer.checkpoints import ModelUnusable, PolicyCache
+    from artery.services.trainer.settings import TrainerSettings
+
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    (pickled / "adapter_config.json").write_text(
+        json.dumps(
+            {"peft_type": "LORA", "base_model_name_or_path": TINY, "r": 2, "target_modules": ["q_proj"]}
+        )
+    )
+    (pickled / "adapter_model.bin").write_bytes(b"not loaded")
+    garbled = tmp_path / "garbled"
+    garbled.mkdir()
+    (garbled / "adapter_config.json").write_text("{not json")
+    cache = PolicyCache(TrainerSettings(checkpoint_dir=str(tmp_path / "ckpt")))
+    for adapter, reason in ((pickled, "pickle weights"), (garbled, "")):
+        record = ModelRecord(project="p", name=adapter.name, base_model=str(adapter), trainable=True)
+        with pytest.raises(ModelUnusable, match=f"p/{adapter.name}: .*{reason}"):
+            await cache.get(record)

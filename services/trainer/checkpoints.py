@@ -123,7 +123,12 @@ def packed_adapter(settings: TrainerSettings, record: ModelRecord, step: int) ->
     return path, sha256_hex(data), len(data)
 
 
-class LoraChanged(ValueError):
+class ModelUnusable(ValueError):
+    """The model's record names what cannot be trained, whatever the retry: a warm-start adapter
+    that is not one (bad JSON, pickle weights, an adapter on an adapter), a LoRA config refused."""
+
+
+class LoraChanged(ModelUnusable):
     """The model was registered with another adapter shape than its checkpoints were trained with."""
 
 
@@ -158,10 +163,15 @@ class PolicyCache:
 
         key = (record.project, record.name)
         on_disk = latest_step(self.settings, record)
-        check_lora_unchanged(self.settings, record, on_disk)
-        if self._key != key or self._policy is None or self._step != on_disk:
-            self._policy = await asyncio.to_thread(self._load, record, on_disk)
-            self._key, self._step = key, on_disk
+        try:
+            check_lora_unchanged(self.settings, record, on_disk)
+            if self._key != key or self._policy is None or self._step != on_disk:
+                self._policy = await asyncio.to_thread(self._load, record, on_disk)
+                self._key, self._step = key, on_disk
+        except ModelUnusable:
+            raise
+        except ValueError as exc:  # what the record names is refused (shared.models, lora.py)
+            raise ModelUnusable(f"{record.project}/{record.name}: {exc}") from exc
         return self._policy, self._step
 
     def _load(self, record: ModelRecord, step: int) -> Policy:

@@ -190,7 +190,7 @@ class Trainer(ConsumingService):
                 return await announce.fail(self.js, request, str(exc), retriable=False)
         try:
             return await self._train(request, record, groups)
-        except checkpoints.LoraChanged as exc:  # asking again cannot help: the agent must hear why
+        except checkpoints.ModelUnusable as exc:  # asking again cannot help: the agent must hear why
             return await announce.fail(self.js, request, str(exc), retriable=False)
 
     async def _model_record(self, request: TrainRequest) -> ModelRecord:
