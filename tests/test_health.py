@@ -117,3 +117,14 @@ async def test_console_actions_are_refused_on_an_open_nats(stack):
         assert refused.status_code == 403 and refused.json()["detail"].startswith("read-only")
         refused = await http.post(f"{url}/actions/replicas/p/m/r1/resume", auth=("admin", "anything"))
         assert refused.status_code == 403
+        # A form posted from another site's page (cached Basic credentials ride along) is refused
+        # before any credential is looked at.
+        for headers in ({"Origin": "http://evil.example"}, {"Sec-Fetch-Site": "cross-site"}):
+            refused = await http.post(
+                f"{url}/actions/replicas/p/m/r1/resume", auth=("admin", "anything"), headers=headers
+            )
+            assert refused.status_code == 403 and "cross-site" in refused.json()["detail"], headers
+        same = await http.post(
+            f"{url}/actions/replicas/p/m/r1/resume", auth=("admin", "anything"), headers={"Origin": url}
+        )
+        assert same.json()["detail"].startswith("read-only")  # past the origin check

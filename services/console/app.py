@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from importlib import resources
 from typing import Annotated
+from urllib.parse import urlsplit
 
 import asyncpg
 import nats
@@ -59,6 +60,19 @@ def _shade(prob: float | None) -> str:
     return f"rgba(220, 38, 38, {min(max(1.0 - prob, 0.0), 1.0) * 0.75:.2f})"
 
 
+def refuse_cross_site(request: Request) -> None:
+    """403 for an action posted from another site's page. Browsers resend cached HTTP Basic
+    credentials with a cross-site form post, so without this a page an operator visits could
+    resume a paused replica mid-step. A browser names the page's origin (``Origin``, or
+    ``Sec-Fetch-Site``); an API client (curl, httpx) sends neither and is let through."""
+    host = request.headers.get("host", "")
+    origin = request.headers.get("origin")
+    if request.headers.get("sec-fetch-site", "same-origin") not in ("same-origin", "none"):
+        raise HTTPException(403, "cross-site request refused")
+    if origin is not None and urlsplit(origin).netloc != host:
+        raise HTTPException(403, f"cross-site request from {origin[:100]!r} refused")
+
+
 def create_app(sources: Sources) -> FastAPI:
     app = FastAPI(title="Artery console", docs_url=None, redoc_url=None, openapi_url=None)
     templates = Jinja2Templates(directory=str(_HERE / "templates"))
@@ -96,11 +110,13 @@ def create_app(sources: Sources) -> FastAPI:
 
     @app.post("/actions/dead-letters/{seq}/republish")
     async def republish(request: Request, seq: int) -> Response:
+        refuse_cross_site(request)
         async with actions.AdminSession(sources.nc, sources.common, actions.credential(request), admin) as s:
             return acted(request, await actions.republish(s, seq), "/dead-letters")
 
     @app.post("/actions/replicas/{project}/{model}/{replica_id}/resume")
     async def resume(request: Request, project: str, model: str, replica_id: str) -> Response:
+        refuse_cross_site(request)
         async with actions.AdminSession(sources.nc, sources.common, actions.credential(request), admin) as s:
             return acted(request, await actions.resume(s, project, model, replica_id), "/replicas")
 
