@@ -107,3 +107,28 @@ async def test_a_saved_file_this_replica_cannot_read_waits_for_the_published_ada
         await engine.next_load()
         assert engine.started == [f"{MODEL}@1"]
         assert watcher.loaded == {f"{MODEL}@1": sha256_hex(data)}
+
+
+async def test_a_published_event_set_aside_for_a_saved_load_that_fails_is_loaded_next(js, tmp_path):
+    """The published event of a step whose saved load is pending is set aside (the same bytes are
+    about to load from the file); if the file turns out unreadable, that event is queued again at
+    once, not left for the periodic catch-up. Driven step by step, without the watcher's loop."""
+    from types import SimpleNamespace
+
+    from artery.schemas import CheckpointPublished
+    from artery.shared.bus import event_headers
+    from artery.shared.codec import encode
+
+    def message(event):
+        return SimpleNamespace(data=encode(event), headers=event_headers(event))
+
+    watcher = watcher_for(js, RecordingEngine(), tmp_path, "replica", load_saved=True)
+    uri, data = write_adapter(tmp_path / "trainer", 1, size=50_000)
+    saved = saved_event(uri.replace("/trainer/", "/on-another-machine/"), data, 1)
+    published = published_event(object_name(PROJECT, MODEL, 1), data, 1)
+    await watcher._on_saved(message(saved))
+    await watcher._on_published(message(published))
+    assert isinstance(watcher._pending[1].event, type(saved))  # the saved load goes first
+    step, received = watcher._take_newest()
+    assert await watcher._load(step, received.event) is None  # the file is not on this machine
+    assert isinstance(watcher._pending[1].event, CheckpointPublished)  # loaded next, from the store

@@ -148,6 +148,9 @@ class CheckpointWatcher:
         self._gone: set[int] = set()
         #: step -> its newest published event not handled yet; the loop takes the highest.
         self._pending: dict[int, _Received] = {}
+        #: step -> its published event, set aside while the same bytes load from the trainer's
+        #: file; queued again if that load fails (a file this replica cannot read after all).
+        self._published_aside: dict[int, _Received] = {}
         #: step -> its deletion, applied after the next load.
         self._deletions: dict[int, _Received] = {}
         self._fetching: tuple[int, asyncio.Task] | None = None
@@ -271,6 +274,7 @@ class CheckpointWatcher:
         waiting = self._pending.get(event.step)
         if isinstance(waiting, _Received) and isinstance(waiting.event, CheckpointSaved):
             if waiting.event.sha256 == event.sha256:
+                self._published_aside[event.step] = _Received(event, headers)
                 self._track_lag()
                 return  # the same bytes are about to be loaded from the trainer's file
         self._pending[event.step] = _Received(event, headers)
@@ -394,8 +398,21 @@ class CheckpointWatcher:
             path = await asyncio.to_thread(unpack_adapter, data, dest, event.sha256)
         except (OSError, AdapterError) as exc:
             log.info("saved adapter not loadable here; waiting for it published", step=step, error=str(exc))
+            self._published_instead(step)
             return None
-        return name if await self._serve(step, name, path, event.sha256, source="saved") else None
+        if await self._serve(step, name, path, event.sha256, source="saved"):
+            self._published_aside = {s: r for s, r in self._published_aside.items() if s > step}
+            return name
+        self._published_instead(step)
+        return None
+
+    def _published_instead(self, step: int) -> None:
+        """The saved load failed: the published event set aside for it (if it came) goes back in
+        the queue, unless something newer or a deletion came meanwhile."""
+        aside = self._published_aside.pop(step, None)
+        if aside is not None and step not in self._gone and not any(s >= step for s in self._pending):
+            self._pending[step] = aside
+            self._wake.set()
 
     async def _serve(self, step: int, name: str, path: Path, sha256: str, source: str = "published") -> bool:
         """Hand an unpacked adapter to the engine under ``name`` and announce it."""
