@@ -276,6 +276,12 @@ def _nats_and_database(home: str, command: str) -> tuple[str, str]:
     nats_url, database_url, source, _ = _find_stack(home)
     if not database_url:
         raise SystemExit(f"artery {command}: no PostgreSQL (ARTERY_DATABASE_URL, or `artery up`'s {source})")
+    admin_secret = Path(home) / "secrets" / "admin"
+    if admin_secret.exists() and not os.environ.get("ARTERY_NATS_USER"):
+        # A secure stack (artery up --secure): act as its admin, whose password is beside it, as
+        # `artery status` does (shared.auth reads these when the command connects).
+        os.environ["ARTERY_NATS_USER"] = "admin"
+        os.environ["ARTERY_NATS_PASSWORD_FILE"] = str(admin_secret)
     return nats_url, database_url
 
 

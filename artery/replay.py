@@ -278,7 +278,11 @@ async def replay(
         raise ReplayError("the new model must have another name than the one replayed")
     say = progress or (lambda _: None)
     conn = await asyncpg.connect(database_url)
-    nc = await bus.connect(settings, name="artery-replay", max_reconnect_attempts=3)
+    try:
+        nc = await bus.connect(settings, name="artery-replay", max_reconnect_attempts=3)
+    except BaseException:
+        await conn.close()
+        raise
     try:
         js = nc.jetstream()
         found = await read_record(await js.key_value(subjects.MODELS_BUCKET), project, model)

@@ -188,3 +188,30 @@ def test_status_says_which_server_and_when_it_is_not_an_artery_stack(nats_server
     assert status.returncode == 1
     assert f"NATS {nats_server.url} (from ARTERY_NATS_URL)" in status.stdout, status.stdout
     assert "not an Artery stack" in status.stdout, status.stdout
+
+
+def test_replay_and_export_model_act_as_a_secure_stacks_admin(tmp_path, monkeypatch):
+    """`artery up --secure` keeps the admin's password beside the stack: replay and export-model
+    connect with it, as `artery status` does, unless ARTERY_NATS_USER says otherwise."""
+    from artery.cli import _nats_and_database
+    from artery.shared.auth import nats_connect_options
+    from artery.shared.settings import CommonSettings
+
+    (tmp_path / "secrets").mkdir()
+    (tmp_path / "secrets" / "admin").write_text("s3cret\n")
+    (tmp_path / "stack.json").write_text(
+        '{"nats_url": "nats://127.0.0.1:1", "database_url": "postgresql://x"}'
+    )
+    for name in ("ARTERY_NATS_URL", "ARTERY_DATABASE_URL", "ARTERY_NATS_USER", "ARTERY_NATS_PASSWORD_FILE"):
+        monkeypatch.setenv(name, "")  # restored after the test, whatever the command sets
+    assert _nats_and_database(str(tmp_path), "replay") == ("nats://127.0.0.1:1", "postgresql://x")
+    options = nats_connect_options(CommonSettings())
+    assert (options["user"], options["password"], options["inbox_prefix"]) == (
+        "admin",
+        "s3cret",
+        "_INBOX.admin",
+    )
+    monkeypatch.setenv("ARTERY_NATS_USER", "ops")  # the caller's own credentials win
+    monkeypatch.setenv("ARTERY_NATS_PASSWORD_FILE", str(tmp_path / "secrets" / "admin"))
+    _nats_and_database(str(tmp_path), "replay")
+    assert os.environ["ARTERY_NATS_USER"] == "ops"
