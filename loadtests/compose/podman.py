@@ -67,13 +67,16 @@ def debian_mirror(sources_dir: Path = Path("/etc/apt")) -> str:
 
 def ensure_tools() -> None:
     """podman, runc and debootstrap from Debian's packages when one is missing."""
+    if os.geteuid() != 0:
+        # Rootful podman (runc, cgroupfs, image builds that bind-mount the host's pip config) and
+        # debootstrap: said at once rather than half-way through a build.
+        raise SystemExit("make compose-test needs root (podman rootful and debootstrap); run it as root")
     missing = [t for t in ("podman", "runc", "debootstrap") if shutil.which(t) is None]
     if not missing:
         return
-    sudo = [] if os.geteuid() == 0 else ["sudo"]
     log(f"installing {' '.join(missing)} (apt-get)")
-    subprocess.run([*sudo, "apt-get", "update", "-q"], check=True)
-    subprocess.run([*sudo, "apt-get", "install", "-y", "-q", "podman", "runc", "debootstrap"], check=True)
+    subprocess.run(["apt-get", "update", "-q"], check=True)
+    subprocess.run(["apt-get", "install", "-y", "-q", "podman", "runc", "debootstrap"], check=True)
 
 
 @dataclass
@@ -139,7 +142,12 @@ def build_base_image(podman: Podman) -> float | None:
     taken, or None when it was already there."""
     if podman.image_exists(BASE_IMAGE):
         return None
-    mirror = debian_mirror()
+    # DEBIAN_MIRROR chooses; else the host's own archive (what is reachable here); else Debian's.
+    try:
+        mirror = os.environ.get("DEBIAN_MIRROR") or debian_mirror()
+    except RuntimeError as exc:  # not a Debian 12 host: the public archive, if it can be reached
+        mirror = "http://deb.debian.org/debian"
+        log(f"{exc}; using {mirror} (set DEBIAN_MIRROR to choose)")
     started = time.monotonic()
     log(f"debootstrap {SUITE} from {mirror} -> {BASE_IMAGE}")
     with tempfile.TemporaryDirectory(dir=podman.work, prefix="rootfs-") as rootfs:
