@@ -160,11 +160,13 @@ async def test_stream_leader_killed_mid_ingest_stores_every_group_exactly_once(
         assert await db.fetchval("SELECT count(DISTINCT (group_id, idx)) FROM trajectories") == (
             GROUPS * GROUP_SIZE
         )
-        # JetStream stored each group once although some publishes were sent twice, and each
-        # group.ready once although redelivered batches announced again.
+        # Each group acked once. The agents' stream keeps JetStream's minimal de-duplication
+        # window (StreamSpec.agent_written: one tenant must not suppress another's ids), so a
+        # publish retried after it is stored twice there: PostgreSQL holds it once (above). Each
+        # group.ready is stored once although redelivered batches announced again.
         assert len(producer.acked) == GROUPS and len(set(producer.acked.values())) == GROUPS
         trajectories = await stream_info_after_the_kill(admin_js, subjects.TRAJECTORIES.name)
-        assert trajectories.state.messages == GROUPS
+        assert trajectories.state.messages >= GROUPS
 
         async def announced_once():
             ready = await stream_info_after_the_kill(admin_js, subjects.GROUPS.name)

@@ -19,6 +19,7 @@ import pytest
 import artery as art
 from artery.shared.models import TINY
 from artery.testing.agents import half_alphabet_rollout
+from tests.test_collector import wait_for
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 DOCS = Path(__file__).resolve().parent.parent / "docs"
@@ -57,6 +58,10 @@ async def gather(model: art.TrainableModel) -> list[art.TrajectoryGroup]:
     )
 
 
+async def stored_val(http: httpx.AsyncClient, table: str) -> bool:
+    return (await http.get(table)).text.count(">val<") == 2
+
+
 async def test_console_follows_a_training_run_live(tmp_path):
     from playwright.async_api import async_playwright, expect
 
@@ -92,8 +97,13 @@ async def test_console_follows_a_training_run_live(tmp_path):
 
             # Groups stored meanwhile reach the browser too (group.ready over SSE → htmx reload).
             await backend.publish(model, [tool_group()], split="val")
+            # First stored (the collector's time, which a loaded machine stretches), as the
+            # console's own table says; then on the page, which nobody reloaded.
+            async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+                table = "/models/console/alpha/trajectories"
+                await wait_for(lambda: stored_val(http, table), timeout=60, interval=0.2)
             rows = page.locator("#trajectories tbody tr")
-            await expect(rows.filter(has_text="val")).to_have_count(2, timeout=10_000)
+            await expect(rows.filter(has_text="val")).to_have_count(2, timeout=15_000)
 
             # Filters: by reward range, then by step.
             await page.fill("input[name=min_reward]", "0.7")
