@@ -46,7 +46,9 @@ WHERE r.project = $1 AND r.model = $2 GROUP BY g.step ORDER BY g.step
 
 TRAJECTORIES = """
 SELECT t.group_id, t.idx, t.reward, g.step, g.split, g.stored_at,
-       json_array_length(t.body -> 'messages') AS messages,
+       -- json keeps \\u0000 (a sampled NUL token), which json operators refuse to read: as
+       -- \\ufffd (same length, a valid escape whatever precedes it) the count always works
+       json_array_length(replace(t.body::text, '\\u0000', '\\ufffd')::json -> 'messages') AS messages,
        r.explanation IS NOT NULL AS judged
 FROM trajectories t
 JOIN trajectory_groups g ON g.project = t.project AND g.model = t.model AND g.id = t.group_id
