@@ -13,6 +13,7 @@ import sys
 import warnings
 from pathlib import Path
 
+import asyncpg
 import msgspec
 import pytest
 import torch
@@ -24,6 +25,7 @@ from artery.services.trainer.policy import LoraSettings, OptimSettings, Policy
 from artery.shared.models import TINY, resolve_base_model, warm_start
 from artery.testing.agents import half_alphabet_rollout
 from artery.testing.tasks import half_alphabet_task_prompt
+from tests.test_collector import wait_for
 
 PROMPTS = [half_alphabet_task_prompt(), [{"role": "user", "content": "count to three."}]]
 MAX_TOKENS = 12
@@ -205,6 +207,16 @@ async def test_exported_models_give_the_served_greedy_tokens_and_warm_start_a_mo
         served = await served_greedy(model, f"{model.name}@2")
         assert served != base_tokens, "the steps must change the greedy answers"
 
+        # export-model takes the newest *published* step; the replica serves step 2 from the
+        # trainer's file before the publisher has recorded it: wait for the publisher's row.
+        conn = await asyncpg.connect(backend.database_url)
+        try:
+            await wait_for(
+                lambda: conn.fetchval("SELECT count(*) = 2 FROM checkpoints WHERE published_at IS NOT NULL"),
+                timeout=60,
+            )
+        finally:
+            await conn.close()
         peft_dir, merged_dir = tmp_path / "out" / "peft", tmp_path / "out" / "merged"
         run = await asyncio.to_thread(
             run_cli, backend, "export-model", "--project", "models", "--model", "exported",
