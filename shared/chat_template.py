@@ -12,7 +12,9 @@ What the template is given:
 
 - each message's content as text (a message with a non-text part is refused: ``UnsupportedContent``);
 - tool-call arguments parsed into objects where they are JSON objects (templates write
-  ``arguments | tojson``, which would quote a JSON string twice);
+  ``arguments | tojson``, which would quote a JSON string twice); arguments nesting deeper than
+  ``codec.MAX_NESTING`` are refused (``ChatTemplateError``) before they are parsed, since parsing
+  and ``tojson`` recurse once per level;
 - tools without ``null`` fields for a template to print;
 - the caller's template variables (``chat_template_kwargs``), which may not name an argument the
   renderer sets itself, nor replace the template (``RESERVED``): refused on both sides alike.
@@ -28,6 +30,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+
+from artery.shared.codec import MAX_NESTING, json_nesting_exceeds
 
 #: Arguments of ``apply_chat_template`` that template variables may not set: those the renderer
 #: sets itself, and the template: a client's Jinja would run in the replica (vLLM, too, refuses a
@@ -60,26 +64,31 @@ class UnsupportedContent(ValueError):
 # --------------------------------------------------------------------------- template input
 
 
-def tool_call_arguments(arguments: str | dict[str, Any]) -> Any:
+def tool_call_arguments(arguments: str | dict[str, Any], index: int = 0) -> Any:
     """Arguments as an object when they are a JSON object; invalid JSON the model wrote stays a
-    string (that is data, not an error)."""
+    string (that is data, not an error). Arguments nesting deeper than ``MAX_NESTING`` are a
+    ``ChatTemplateError`` naming message ``index``."""
     if isinstance(arguments, dict):
         return arguments
+    if json_nesting_exceeds(arguments):
+        raise ChatTemplateError(
+            f"messages[{index}]: tool-call arguments nest deeper than the limit of {MAX_NESTING}"
+        )
     try:
         parsed = json.loads(arguments)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: malformed nesting the scan let through
         return arguments
     return parsed if isinstance(parsed, dict) else arguments
 
 
-def render_tool_calls(tool_calls: Iterable[Any]) -> list[dict[str, Any]]:
+def render_tool_calls(tool_calls: Iterable[Any], index: int = 0) -> list[dict[str, Any]]:
     return [
         {
             "id": call.id,
             "type": "function",
             "function": {
                 "name": call.function.name,
-                "arguments": tool_call_arguments(call.function.arguments),
+                "arguments": tool_call_arguments(call.function.arguments, index),
             },
         }
         for call in tool_calls
@@ -119,7 +128,7 @@ def render_message(message: Any, index: int = 0) -> dict[str, Any]:
         if getattr(message, key, None) is not None:
             rendered[key] = getattr(message, key)
     if message.tool_calls:
-        rendered["tool_calls"] = render_tool_calls(message.tool_calls)
+        rendered["tool_calls"] = render_tool_calls(message.tool_calls, index)
     return rendered
 
 
@@ -154,7 +163,7 @@ class ChatInput:
         chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> ChatInput:
         """From request or wire messages and tools. Raises ``UnsupportedContent`` and, for a
-        variable named in ``RESERVED``, ``ChatTemplateError``."""
+        variable named in ``RESERVED`` or tool-call arguments nested too deeply, ``ChatTemplateError``."""
         variables = dict(chat_template_kwargs or {})
         clash = sorted(RESERVED & variables.keys())
         if clash:

@@ -12,6 +12,12 @@ error that names only a byte offset). ``JSON.stringify`` writes them as ``null``
 ``validation`` error naming the field (``Expected `float`, got `null```), since a null is not
 necessarily a NaN.
 
+Input edges: objects and arrays nested deeper than ``codec.MAX_NESTING`` in the message, and a
+string (an unknown key's included) that is not UTF-8, are ``decode`` (``shared.codec``); a tool
+call's ``arguments`` string nesting that deep is ``validation`` (the trainer's chat template parses
+it). The group's ``time`` must lie in [``EARLIEST_TIME``, ``LATEST_TIME``) (``validation``): the
+database driver stores the first and last datetimes Python has as ``-infinity`` and ``infinity``.
+
 Sizes: a group over ``max_bytes`` (``ARTERY_COLLECTOR_MAX_GROUP_BYTES``) or with more than
 ``max_trajectories`` trajectories is ``too_large``. The byte limit defaults to the NATS default
 ``max_payload`` (8 MiB), so with defaults the publishing client refuses a larger message before
@@ -29,13 +35,17 @@ from collections.abc import Mapping
 from typing import Any
 
 from artery.schemas import SCHEMA_VERSION, History, TrainRequested, Trajectory, TrajectoryGroupSubmitted
-from artery.shared import subjects
+from artery.shared import codec, subjects
 from artery.shared.codec import CONTENT_TYPE, EVENT_HEADER, SCHEMA_HEADER, EventDecoder, json_leaves
 from artery.shared.errors import InvalidMessage
 
 #: The largest reward magnitude a trajectory may carry. Far beyond any sensible reward scale; it
 #: keeps sums, means and variances finite (two rewards of 1.8e308 already sum to infinity).
 REWARD_LIMIT = 1e6
+#: The range of a sane event time. Nothing Artery records predates the Unix epoch, and a clock a
+#: few decades fast is still let through; beyond these, a time is a mistake or a probe.
+EARLIEST_TIME = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+LATEST_TIME = dt.datetime(2100, 1, 1, tzinfo=dt.UTC)
 
 # A tagged union, so that the ``event`` tag is required (msgspec takes a lone tagged struct
 # without its tag): an event of another type is then told apart from a group without a tag.
@@ -92,13 +102,24 @@ def decode_group(
             original_id=group.id,
         )
     check_finite(group)
+    check_time(group)
+    return group
+
+
+def check_time(group: TrajectoryGroupSubmitted) -> None:
+    """The group's ``time`` lies in [``EARLIEST_TIME``, ``LATEST_TIME``)."""
     try:  # PostgreSQL stores it in UTC, where it must still be a valid datetime
-        group.time.astimezone(dt.UTC)
+        in_utc = group.time.astimezone(dt.UTC)
     except OverflowError:
         raise InvalidMessage(
             "validation", f"time {group.time.isoformat()} is out of range in UTC", original_id=group.id
         ) from None
-    return group
+    if not EARLIEST_TIME <= in_utc < LATEST_TIME:
+        raise InvalidMessage(
+            "validation",
+            f"time {group.time.isoformat()} is outside {EARLIEST_TIME.date()} to {LATEST_TIME.date()}",
+            original_id=group.id,
+        )
 
 
 def _non_finite_literal(error: InvalidMessage, data: bytes) -> InvalidMessage | None:
@@ -160,6 +181,14 @@ def _check_conversation(conversation: Trajectory | History, where: str, group_id
     for t, tool in enumerate(conversation.tools or ()):
         _check_finite_tree(tool.function.parameters, f"{where}.tools[{t}]", group_id)
     for m, message in enumerate(conversation.messages):
+        for c, call in enumerate(message.tool_calls or ()):
+            if codec.json_nesting_exceeds(call.function.arguments):
+                raise InvalidMessage(
+                    "validation",
+                    f"{where}.messages[{m}].tool_calls[{c}].function.arguments nests deeper than "
+                    f"the limit of {codec.MAX_NESTING}",
+                    original_id=group_id,
+                )
         sample = message.sample
         if sample is None:
             continue

@@ -25,7 +25,8 @@ from artery.services.inference.openai_types import (
 )
 from artery.services.inference.tools import parse_tool_calls
 from artery.shared.chat_template import ChatInput, ChatTemplateError, UnsupportedContent
-from artery.shared.codec import json_leaves
+from artery.shared.codec import NestedTooDeeply, check_json, json_leaves
+from artery.shared.errors import InvalidMessage
 
 #: OpenAI's stand-in for a logprob of minus infinity (JSON has no infinities).
 MIN_LOGPROB = -9999.0
@@ -42,6 +43,11 @@ _ERROR_PATH = re.compile(r" - at (?:`key` in )?`\$\.?(.*)`$")
 
 def decode_request(body: bytes) -> ChatCompletionRequest:
     """Decode a request body; any problem becomes a 400 naming the JSON path at fault."""
+    try:
+        check_json(body)  # nesting and UTF-8 the typed decode does not look at (unknown keys)
+    except InvalidMessage as exc:
+        code = "nested_too_deeply" if isinstance(exc, NestedTooDeeply) else None
+        raise invalid_request(f"The request body is refused: {exc.reason}", code=code) from None
     try:
         return msgspec.json.decode(body, type=ChatCompletionRequest)
     except msgspec.ValidationError as exc:

@@ -8,7 +8,8 @@ The model writes, possibly several in a row and possibly after some prose::
 
 This is the format of vLLM's ``hermes`` parser, which ART serves with. Whatever cannot be read as a
 call (invalid JSON, no name, a name the request's ``tool_choice`` does not allow) stays in the text
-content as the model wrote it: a malformed call is data for training, never a server error.
+content as the model wrote it: a malformed call is data for training, never a server error. So
+does a call nesting deeper than ``codec.MAX_NESTING`` (parsing it would recurse past Python's limit).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import secrets
 from typing import NamedTuple
 
 from artery.services.inference.openai_types import FunctionCall, NamedToolChoice, ToolCall, ToolChoice
+from artery.shared.codec import json_nesting_exceeds
 
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
@@ -65,9 +67,11 @@ def parse_tool_calls(text: str, tool_choice: ToolChoice = "auto") -> ParsedOutpu
 
 
 def _read_call(body: str, only: str | None) -> ToolCall | None:
+    if json_nesting_exceeds(body):
+        return None
     try:
         data = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if not isinstance(data, dict):
         return None
