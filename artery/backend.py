@@ -45,9 +45,9 @@ from artery.schemas import (
 )
 from artery.shared import bus, subjects
 from artery.shared.auth import secret_value
-from artery.shared.control_client import live_replicas
 from artery.shared.permissions import provision_if_missing
-from artery.shared.registry import read_record
+from artery.shared.registry import models_kv, project_replicas, read_record
+from artery.shared.registry import register as register_model
 from artery.shared.settings import CommonSettings
 from artery.shared.tracing import (
     current_trace_id,
@@ -111,36 +111,23 @@ class Backend:
         return (await self._connect()).jetstream()
 
     async def _models_kv(self):
-        return await (await self._js()).key_value(subjects.MODELS_BUCKET)
+        return models_kv(await self._js())  # no STREAM.INFO: agents may not ask for it
 
     async def register(self, model: Model) -> None:
-        """Record the model in the registry; a re-registration keeps its current step."""
-        kv = await self._models_kv()
-        key = subjects.model_key(model.project, model.name)
-        found = await read_record(kv, model.project, model.name)  # garbage: overwritten
-        step = found.record.step if found else 0
+        """Record the model in the registry; a re-registration keeps its current step. The
+        publisher validates and writes the record (``shared.registry.register``)."""
         lora = getattr(model, "lora_config", None)
-        lora = msgspec.convert(lora, LoraSpec) if lora is not None else None
-        if found is not None and lora is None:
-            lora = found.record.lora  # re-registered without one: keep the shape it trained with
-        elif found is not None and step > 0 and lora != found.record.lora:
-            raise ValueError(
-                f"{model.project}/{model.name} has trained {step} steps with LoRA"
-                f" {msgspec.to_builtins(found.record.lora) or 'defaults'}; its shape cannot change to"
-                f" {msgspec.to_builtins(lora)}: register the new config under a new model name"
-            )
-        record = ModelRecord(
+        requested = ModelRecord(
             project=model.project,
             name=model.name,
             base_model=getattr(model, "base_model", None),
             trainable=model.trainable,
             config=model.config or {},
-            step=step,
             registered_at=utcnow(),
-            lora=lora,
+            lora=msgspec.convert(lora, LoraSpec) if lora is not None else None,
             chat_template_kwargs=dict(getattr(model, "chat_template_kwargs", {}) or {}),
         )
-        await kv.put(key, msgspec.json.encode(record))
+        await register_model(await self._js(), requested)
 
     async def _inference_url(self, model: Model, timeout_s: float = 0.0) -> str | None:
         """The given URL, or the first live replica serving this model (waiting up to ``timeout_s``)."""
@@ -148,7 +135,7 @@ class Backend:
             return self.inference_url
         deadline = asyncio.get_running_loop().time() + timeout_s
         while True:
-            replicas = await live_replicas(await self._js(), model.project, model.name)
+            replicas = await project_replicas(await self._js(), model.project, model.name)
             if replicas:
                 return f"{sorted(replicas, key=lambda r: r.replica_id)[0].url}/v1"
             if asyncio.get_running_loop().time() > deadline:
@@ -157,7 +144,7 @@ class Backend:
 
     async def replicas(self, model: Model) -> list[ReplicaInfo]:
         """The live inference replicas of ``model``, from the registry."""
-        return await live_replicas(await self._js(), model.project, model.name)
+        return await project_replicas(await self._js(), model.project, model.name)
 
     async def _get_step(self, model: Model) -> int:
         found = await read_record(await self._models_kv(), model.project, model.name)
@@ -340,7 +327,7 @@ class Backend:
         ) as wake:
             while True:
                 wake.clear()  # before reading: a change during the read wakes the next wait
-                replicas = await live_replicas(await self._js(), model.project, model.name)
+                replicas = await project_replicas(await self._js(), model.project, model.name)
                 if all(name in r.served for r in replicas):
                     return
                 remaining = deadline - loop.time()

@@ -4,6 +4,16 @@
 key, ``<project>.<model>.<id>`` (JetStream drops a re-publish within the duplicate window; ids are
 unique only within a tenant), the content type, the schema version and the W3C trace context of
 the current span.
+
+Except on the subjects agents publish (``AGENT_SUBJECTS``): there no ``Nats-Msg-Id`` is sent.
+JetStream's de-duplication window is one per stream, shared by every tenant, and the server does
+not check an id against the publisher: any agent could publish another tenant's next id first
+and have that tenant's real message dropped as a duplicate, and a new body under an id already
+sent would be dropped silently instead of reaching the collector as a conflict. A message
+without an id is never dropped, whatever anyone else sends; de-duplication of agents' events is
+their consumers', keyed on (project, model, id) in PostgreSQL, the project being the subject's
+(which permissions scope), so a retried publish stored twice in the stream is stored once there,
+and a changed body under a stored id is a ``conflict`` dead letter whatever the timing.
 """
 
 from __future__ import annotations
@@ -43,6 +53,14 @@ log = get_logger(__name__)
 DUPLICATE_WINDOW_S = 120.0
 #: The window of streams agents write to (``StreamSpec.agent_written``): JetStream's minimum.
 AGENT_DUPLICATE_WINDOW_S = 0.1
+
+
+#: What agents publish: their events carry no ``Nats-Msg-Id`` (see the module's docstring).
+AGENT_SUBJECTS = (subjects.trajectories("*", "*"), subjects.train("requested", "*", "*"))
+
+
+def agent_published(subject: str) -> bool:
+    return any(subjects.covers(pattern, subject) for pattern in AGENT_SUBJECTS)
 
 
 def duplicate_window_s(spec: subjects.StreamSpec) -> float:
@@ -113,6 +131,9 @@ def stream_config(spec: subjects.StreamSpec, settings: CommonSettings) -> Stream
         allow_direct=spec.direct,
         duplicate_window=duplicate_window_s(spec),
         max_msg_size=settings.max_payload_bytes,
+        # A Nats-Rollup header would purge a subject or the whole stream: never honoured on
+        # Artery's streams (agents publish into two of them; permissions cannot filter headers).
+        allow_rollup_hdrs=False,
     )
 
 
@@ -187,7 +208,7 @@ async def publish_event(
     return await js.publish(
         subject,
         encode(event, content_type),
-        headers={**(headers or {}), **event_headers(event, content_type, msg_id)},
+        headers={**(headers or {}), **_headers_for(subject, event, content_type, msg_id)},
         timeout=timeout,
     )
 
@@ -201,8 +222,15 @@ class Outgoing:
     headers: dict[str, str]
 
 
+def _headers_for(subject: str, event: Event, content_type: str, msg_id: str | None) -> dict[str, str]:
+    headers = event_headers(event, content_type, msg_id)
+    if msg_id is None and agent_published(subject):
+        del headers[MSG_ID]  # de-duplicated by its consumer, per tenant (module docstring)
+    return headers
+
+
 def prepare(subject: str, event: Event, *, content_type: str = JSON) -> Outgoing:
-    return Outgoing(subject, encode(event, content_type), event_headers(event, content_type))
+    return Outgoing(subject, encode(event, content_type), _headers_for(subject, event, content_type, None))
 
 
 #: Longest wait for a pipelined publish's ack. ``publish_async`` futures have no timeout of their

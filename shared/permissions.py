@@ -184,6 +184,12 @@ AGENT_DENIED_ADMIN = tuple(
 )
 
 
+#: Every KV and object-store subject. Their streams honour ``Nats-Rollup`` headers (a rollup
+#: purges the stream, or a subject) and permissions cannot filter headers, so agents must not
+#: publish there at all: model records are written by the publisher (``registry``).
+AGENT_DENIED_STORES = ("$KV.>", "$O.>")
+
+
 def _kv_write(bucket: str, keys: str = ">") -> list[str]:
     return [f"$KV.{bucket}.{keys}"]
 
@@ -264,15 +270,20 @@ def permissions(role: str, user: str, *, project: str | None = None) -> Permissi
     if role == "agent":
         if project is None:
             raise ValueError("an agent user needs its project")
+        # Exactly what the SDK sends, each scoped to the agent's project. Nothing on a stream
+        # that honours Nats-Rollup (KV, object store: ``AGENT_DENIED_STORES``), no STREAM.INFO
+        # (its subjects_filter lists every tenant's subjects and counts), no consumer of its
+        # own (the publisher lists replicas on its behalf): no quota to exhaust, no name to
+        # hijack.
         return Permissions(
             publish=(
                 subjects.trajectories(project, ">"),
                 subjects.train("requested", project, ">"),
                 subjects.retention_request(project, "*"),  # the SDK's delete_checkpoints()
-                *_all_stream_info(),
+                subjects.register_request(project, "*"),  # register(), written by the publisher
+                subjects.replicas_request(project, "*"),  # finding a replica's URL
+                f"{JS_API}.STREAM.NAMES",  # provision_if_missing: names only, the same for all
                 *_kv_read(models, f"{project}.*"),  # its own models' records only
-                *_kv_write(models, f"{project}.*"),  # register() writes its own models' records
-                *_kv_scan(replicas, f"{project}.>"),  # finding a replica's URL, in its project
             ),
             subscribe=(
                 subjects.train("*", project, ">"),
@@ -281,7 +292,7 @@ def permissions(role: str, user: str, *, project: str | None = None) -> Permissi
                 subjects.kv_updates(replicas, f"{project}.>"),
                 inbox,
             ),
-            deny_publish=(*deny, *AGENT_DENIED_ADMIN),
+            deny_publish=(*deny, *AGENT_DENIED_ADMIN, *AGENT_DENIED_STORES),
         )
     if project is not None:
         raise ValueError("only agent users have a project")
@@ -312,8 +323,15 @@ def permissions(role: str, user: str, *, project: str | None = None) -> Permissi
             subjects.checkpoint("deleted", "*", "*"),
             *_object_read(adapters),
             *_object_write(adapters),
+            *_kv_read(models),
+            *_kv_write(models),  # registrations, on agents' behalf (services.publisher.registry)
+            *_kv_scan(replicas),  # replica listings, on agents' behalf
         ]
-        subscribe += [subjects.retention_request("*", "*")]
+        subscribe += [
+            subjects.retention_request("*", "*"),
+            subjects.register_request("*", "*"),
+            subjects.replicas_request("*", "*"),
+        ]
     elif role == "inference":
         published = subjects.checkpoint("published", "*", "*")
         publish += [
@@ -420,14 +438,26 @@ async def provision_if_missing(js, settings) -> bool:
     Services and agents call this instead of ``bus.provision``: checking needs only
     ``$JS.API.STREAM.INFO``, which every role has, while creating needs the admin role.
     """
-    from nats.js.errors import NotFoundError
-
     from artery.shared import bus  # here: bus imports auth, which imports this module
 
-    for name in _provisioned():
-        try:
-            await js.stream_info(name)
-        except NotFoundError:
-            await bus.provision(js, settings)
-            return True
-    return False
+    if set(_provisioned()) <= await stream_names(js):
+        return False
+    await bus.provision(js, settings)
+    return True
+
+
+async def stream_names(js) -> set[str]:
+    """Every stream's name, by ``STREAM.NAMES``: the one stream call agents may make, since it
+    tells nothing about any tenant (``STREAM.INFO``'s subjects_filter would list their subjects)."""
+    names: set[str] = set()
+    while True:
+        reply = await js._nc.request(
+            f"{js._prefix}.STREAM.NAMES", json.dumps({"offset": len(names)}).encode(), timeout=js._timeout
+        )
+        page = json.loads(reply.data)
+        if "error" in page:
+            raise RuntimeError(f"STREAM.NAMES failed: {page['error']}")
+        found = page.get("streams") or []
+        names.update(found)
+        if not found or len(names) >= page.get("total", 0):
+            return names

@@ -1,19 +1,29 @@
-"""Reading the model registry (KV ``artery_models``, key ``<project>.<model>``) without trusting it.
+"""The model registry (KV ``artery_models``, key ``<project>.<model>``): registering, and reading
+it without trusting it.
 
-Agents write their own models' records (``register()``), so a record may hold anything an agent
-sent. Every reader goes through ``read_record``: a record that does not decode, or that names
-another model than its key, counts as absent, with a warning naming the key; it never crashes a
-reader or fails a request again and again.
+Records are written by the control plane only: an agent's ``register()`` is a request on
+``subjects.register_request`` that the publisher answers (``services.publisher.registry``), after
+checking the base model against the operator's allow-list. Agents may not publish on ``$KV.``
+subjects at all: a KV bucket's stream honours ``Nats-Rollup`` headers, so one publish there
+could purge every tenant's records. ``registered`` is the one rule for what a registration
+stores (its step kept, its LoRA shape fixed once trained), used by the responder and, on a bus
+with no responder and no authentication (a bare ``nats-server`` in a test), by the SDK itself.
+
+Every reader goes through ``read_record``: a record that does not decode, or that names another
+model than its key, counts as absent, with a warning naming the key; it never crashes a reader
+or fails a request again and again.
 """
 
 from __future__ import annotations
 
 import msgspec
+from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
-from artery.schemas import ModelRecord
+from artery.schemas import ModelRecord, ReplicaInfo, utcnow
 from artery.shared import subjects
+from artery.shared.kv import kv_stream
 from artery.shared.logs import get_logger
 
 log = get_logger(__name__)
@@ -49,3 +59,108 @@ async def read_record(kv: KeyValue, project: str, model: str) -> RegistryEntry |
         return None
     record = decode_record(project, model, entry.value or b"")
     return None if record is None else RegistryEntry(record, entry.revision)
+
+
+def models_kv(js: JetStreamContext) -> KeyValue:
+    """The models bucket, read by direct gets, opened without ``STREAM.INFO``: agents may not ask
+    for a stream's info, whose ``subjects_filter`` would list every tenant's keys."""
+    bucket = subjects.MODELS_BUCKET
+    return KeyValue(name=bucket, stream=kv_stream(bucket), pre=f"$KV.{bucket}.", js=js, direct=True)
+
+
+def registered(requested: ModelRecord, found: ModelRecord | None) -> ModelRecord:
+    """What registering ``requested`` stores over ``found``: the current step is kept, and so is
+    the LoRA shape when none is asked for; a new shape once trained is a ``ValueError``."""
+    step = found.step if found else 0
+    lora = requested.lora
+    if found is not None and lora is None:
+        lora = found.lora  # re-registered without one: keep the shape it trained with
+    elif found is not None and step > 0 and lora != found.lora:
+        raise ValueError(
+            f"{requested.project}/{requested.name} has trained {step} steps with LoRA"
+            f" {msgspec.to_builtins(found.lora) or 'defaults'}; its shape cannot change to"
+            f" {msgspec.to_builtins(lora)}: register the new config under a new model name"
+        )
+    return msgspec.structs.replace(requested, step=step, lora=lora, registered_at=utcnow())
+
+
+class RegistrationReply(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """The answer to a registration: the stored record, or why nothing was stored."""
+
+    record: ModelRecord | None = None
+    error: str | None = None
+
+
+class ReplicasReply(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """The answer to ``subjects.replicas_request``: the model's live replicas."""
+
+    replicas: list[ReplicaInfo] = []
+    error: str | None = None
+
+
+_registration_decoder = msgspec.json.Decoder(RegistrationReply)
+_replicas_decoder = msgspec.json.Decoder(ReplicasReply)
+
+
+class RegistrationRefused(ValueError):
+    """The registry refused the record (its reason is the message)."""
+
+
+async def register(js: JetStreamContext, requested: ModelRecord, *, timeout_s: float = 30.0) -> ModelRecord:
+    """Register ``requested`` through the control plane; the stored record.
+
+    On a bus where nobody answers (no publisher is running) the record is written here instead,
+    by the same rule: that is only possible where the bus lets this client write the bucket, a
+    bare ``nats-server`` without authentication; an agent's user on a secure stack may not."""
+    from nats.errors import NoRespondersError
+
+    nc = js._nc  # the request goes out on the context's own connection
+    subject = subjects.register_request(requested.project, requested.name)
+    body = msgspec.json.encode(requested)
+    try:
+        reply = await nc.request(subject, body, timeout=timeout_s)
+    except NoRespondersError:
+        return await _register_here(js, requested)
+    answer = _registration_decoder.decode(reply.data)
+    if answer.error is not None or answer.record is None:
+        raise RegistrationRefused(answer.error or "the registry answered without a record")
+    return answer.record
+
+
+async def _register_here(js: JetStreamContext, requested: ModelRecord) -> ModelRecord:
+    log.warning("no registry service answers; writing the model record directly", model=requested.name)
+    try:
+        kv = await js.key_value(subjects.MODELS_BUCKET)
+        found = await read_record(kv, requested.project, requested.name)
+    except Exception as exc:
+        raise RuntimeError(_NO_REGISTRY.format(model=requested.name, error=repr(exc))) from exc
+    record = registered(requested, found.record if found else None)  # refusals raised as they are
+    try:
+        await kv.put(subjects.model_key(record.project, record.name), msgspec.json.encode(record))
+    except Exception as exc:
+        raise RuntimeError(_NO_REGISTRY.format(model=requested.name, error=repr(exc))) from exc
+    return record
+
+
+_NO_REGISTRY = (
+    "cannot register {model}: no registry service (the publisher) answers, and this client may not"
+    " write the models bucket itself ({error}); start the publisher"
+)
+
+
+async def project_replicas(js: JetStreamContext, project: str, model: str, *, timeout_s: float = 10.0):
+    """The live replicas of ``project``/``model``, read by the control plane on the caller's
+    behalf (agents create no consumers). Where nobody answers (no publisher: a bare
+    ``nats-server`` in a test), they are read here, which only an unrestricted client may do."""
+    from nats.errors import NoRespondersError
+
+    from artery.shared.control_client import live_replicas
+
+    try:
+        reply = await js._nc.request(subjects.replicas_request(project, model), b"", timeout=timeout_s)
+    except NoRespondersError:
+        return await live_replicas(js, project, model)
+    answer = _replicas_decoder.decode(reply.data)
+    if answer.error is not None:
+        raise RuntimeError(f"listing the replicas of {project}/{model} failed: {answer.error}")
+    return answer.replicas

@@ -104,6 +104,18 @@ def retention_request(project: str, model: str) -> str:
     return f"{PREFIX}.control.publisher.{project}.{model}.retain"
 
 
+def register_request(project: str, model: str) -> str:
+    """Ask the control plane (the publisher) to register a model; request/reply, no stream.
+    Agents never write the models bucket themselves (``services.publisher.registry``)."""
+    return f"{PREFIX}.control.publisher.{project}.{model}.register"
+
+
+def replicas_request(project: str, model: str) -> str:
+    """Ask the control plane for a model's live replicas; request/reply, no stream. Agents
+    create no consumers: the publisher reads the replicas bucket on their behalf."""
+    return f"{PREFIX}.control.publisher.{project}.{model}.replicas"
+
+
 def dead_letter(service: str) -> str:
     return f"{PREFIX}.dlq.{service}"
 

@@ -26,6 +26,8 @@ from artery.schemas import CheckpointSaved, TrainRequested, new_event_id
 from artery.services.inference.checkpoints import CheckpointWatcher
 from artery.services.inference.control import ControlServer, ReplicaRegistry
 from artery.services.inference.pause import PauseGate
+from artery.services.publisher.base_models import BaseModelPolicy
+from artery.services.publisher.registry import RegistryServer
 from artery.shared import bus, subjects
 from artery.shared.adapters import get_adapter, pack_adapter, put_adapter
 from artery.shared.auth import nats_connect_options
@@ -44,6 +46,7 @@ from artery.shared.permissions import (
     provision_if_missing,
     render_authorization,
 )
+from artery.shared.registry import models_kv, project_replicas
 from artery.shared.settings import CommonSettings
 from tests.factories import group
 from tests.test_publisher import published_event
@@ -188,11 +191,13 @@ async def test_agent_publishes_for_its_project_and_nothing_else(secured):
     assert ack.stream == subjects.TRAJECTORIES.name
     request = TrainRequested(id=new_event_id(), project=PROJECT, model=MODEL, group_ids=["g"])
     await bus.publish_event(agent.js, subjects.train("requested", PROJECT, MODEL), request)
-    models = await agent.js.key_value(subjects.MODELS_BUCKET)  # register() and get_step()
-    await models.put(subjects.model_key(PROJECT, MODEL), b"{}")
+    models = models_kv(agent.js)  # get_step(); register() asks the publisher
+    publisher = await secured.connect("publisher")  # the registry's writer
+    await (await publisher.js.key_value(subjects.MODELS_BUCKET)).put(
+        subjects.model_key(PROJECT, MODEL), b"{}"
+    )
     assert (await models.get(subjects.model_key(PROJECT, MODEL))).value == b"{}"
     assert not await provision_if_missing(agent.js, secured.settings)  # what the SDK checks on connect
-    assert await live_replicas(agent.js, PROJECT, MODEL) == []  # how the SDK finds a replica's URL
     agent.clean()
 
     other = subjects.trajectories(OTHER, MODEL)
@@ -204,13 +209,18 @@ async def test_agent_publishes_for_its_project_and_nothing_else(secured):
     await asyncio.gather(
         agent.denied(other, bus.publish_event(agent.js, other, group(OTHER, MODEL))),
         agent.denied(f"$KV.{subjects.MODELS_BUCKET}.{OTHER}.", models.put(f"{OTHER}.{MODEL}", b"{}")),
+        # Not even its own records: a KV stream honours Nats-Rollup (the publisher writes them).
+        agent.denied(f"$KV.{subjects.MODELS_BUCKET}.{PROJECT}.", models.put(f"{PROJECT}.{MODEL}", b"{}")),
+        # Nor a consumer of its own: the publisher lists its replicas on its behalf.
+        agent.denied(
+            f"$JS.API.CONSUMER.CREATE.KV_{subjects.REPLICAS_BUCKET}.", live_replicas(agent.js, PROJECT, MODEL)
+        ),
+        agent.denied(f"$JS.API.STREAM.INFO.{stream.name}", agent.js.stream_info(stream.name)),
         agent.denied(pause, agent.nc.publish(pause, b"{}")),
         agent.denied(saved, bus.publish_event(agent.js, saved, saved_event())),
         agent.denied(published, agent.nc.publish(published, b"{}")),
-        # An object store put: refused at its first step (reading the bucket), and its chunks too.
-        agent.denied(
-            f"$JS.API.STREAM.MSG.GET.OBJ_{subjects.ADAPTERS_BUCKET}", put_adapter(agent.js, "x", b"x")
-        ),
+        # An object store put: refused at its first step (opening the bucket), and its chunks too.
+        agent.denied(f"$JS.API.STREAM.INFO.OBJ_{subjects.ADAPTERS_BUCKET}", put_adapter(agent.js, "x", b"x")),
         agent.denied(chunk, agent.nc.publish(chunk, b"x")),
         # Reading what others publish, or the replies others get, is refused too.
         agent.denied("artery.traj.>", agent.nc.subscribe(stream.subjects[0]), what="Subscription"),
@@ -252,17 +262,23 @@ async def test_agent_reads_its_own_projects_models_and_replicas_only(secured):
     ]
     for registry in registries:
         await registry.start()
+    publisher = await secured.connect("publisher")
+    server = RegistryServer(publisher.nc, BaseModelPolicy.parse(None, None, authenticated=True))
+    await server.start()
     try:
         for project in (PROJECT, OTHER):
             agent = await secured.connect(f"agent-{project}")
-            models = await agent.js.key_value(subjects.MODELS_BUCKET)
-            await models.put(subjects.model_key(project, MODEL), project.encode())
+            models = models_kv(agent.js)
+            await (await publisher.js.key_value(subjects.MODELS_BUCKET)).put(
+                subjects.model_key(project, MODEL), project.encode()
+            )
             assert (await models.get(subjects.model_key(project, MODEL))).value == project.encode()
-            assert [r.url for r in await live_replicas(agent.js, project, MODEL)] == [f"http://{project}"]
+            replicas = await project_replicas(agent.js, project, MODEL)  # answered by the publisher
+            assert [r.url for r in replicas] == [f"http://{project}"]
             agent.clean()
 
         agent = await secured.connect(f"agent-{PROJECT}")
-        models = await agent.js.key_value(subjects.MODELS_BUCKET)
+        models = models_kv(agent.js)
         await asyncio.gather(
             agent.denied(
                 f"$JS.API.DIRECT.GET.KV_{subjects.MODELS_BUCKET}.$KV.{subjects.MODELS_BUCKET}.{OTHER}.",
@@ -272,10 +288,21 @@ async def test_agent_reads_its_own_projects_models_and_replicas_only(secured):
                 f"$JS.API.CONSUMER.CREATE.KV_{subjects.REPLICAS_BUCKET}.",
                 live_replicas(agent.js, OTHER, MODEL),
             ),
-            # nats.py's own watch sends the filter in the body: refused whatever it asks for.
+            agent.denied(
+                subjects.replicas_request(OTHER, MODEL),
+                agent.nc.request(subjects.replicas_request(OTHER, MODEL), b"", timeout=DENIED_WAIT_S),
+            ),
+            # nats.py's own watch: refused at its first step (the bucket's info, whose
+            # subjects_filter would list every key) and its consumer, whose filter is in the body.
+            agent.denied(
+                f"$JS.API.STREAM.INFO.KV_{subjects.REPLICAS_BUCKET}",
+                agent.js.key_value(subjects.REPLICAS_BUCKET),
+            ),
             agent.denied(
                 f"$JS.API.CONSUMER.CREATE.KV_{subjects.REPLICAS_BUCKET}",
-                (await agent.js.key_value(subjects.REPLICAS_BUCKET)).watchall(),
+                agent.js.add_consumer(
+                    f"KV_{subjects.REPLICAS_BUCKET}", ConsumerConfig(deliver_subject=agent.nc.new_inbox())
+                ),
             ),
             # Hearing another project's replicas change (train() listens to its own) is refused.
             agent.denied(
@@ -297,6 +324,7 @@ async def test_agent_reads_its_own_projects_models_and_replicas_only(secured):
             assert [r.replica_id for r in await live_replicas(trainer.js, project, MODEL)] == [f"r-{project}"]
         trainer.clean()
     finally:
+        await server.stop()
         for registry in registries:
             await registry.stop()
 

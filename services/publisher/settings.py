@@ -35,6 +35,21 @@ class PublisherSettings(msgspec.Struct, kw_only=True, frozen=True):
     )
     backoff_max_s: Annotated[float, doc("longest pause while a dependency is down", gt=0)] = 10.0
     db_pool_size: Annotated[int, doc("PostgreSQL connections", ge=1, le=16)] = 2
+    base_models: Annotated[
+        str | None,
+        doc(
+            "base models a model may be registered on: names, comma-separated; '*' accepts any name"
+            " or path. Unset: '*' on a bus without authentication (whoever reaches it may write"
+            " anything anyway), else the embedded models' names"
+        ),
+    ] = None
+    warm_start_dir: Annotated[
+        str | None,
+        doc(
+            "directory of adapters a project may warm-start from, <dir>/<project>/<adapter>;"
+            " unset: no warm starts where base models are restricted"
+        ),
+    ] = None
 
     def retention_policy(self) -> RetentionPolicy:
         metric = self.best_metric
