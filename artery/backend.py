@@ -369,3 +369,82 @@ class Backend:
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
+
+    # ART's checkpoint transport (``artery.s3``): ART's bucket layout and BACKUP_BUCKET, any
+    # S3-compatible store through boto3 (``artery[s3]``). Only thin entry points here.
+
+    async def _experimental_push_to_s3(
+        self,
+        model: Model,
+        *,
+        s3_bucket: str | None = None,
+        prefix: str | None = None,
+        verbose: bool = False,
+        delete: bool = False,
+    ) -> None:
+        """Upload the model directory (history, trajectories) and every step the publisher keeps,
+        adapter and trainer state, to ``s3://{bucket}/{prefix/}{project}/models/{name}/``."""
+        from artery import s3
+
+        await s3.push(self, model, s3_bucket=s3_bucket, prefix=prefix, verbose=verbose, delete=delete)
+
+    async def _experimental_pull_from_s3(
+        self,
+        model: Model,
+        step: int | None = None,
+        s3_bucket: str | None = None,
+        prefix: str | None = None,
+        verbose: bool = False,
+        delete: bool = False,
+        *,
+        only_step: int | str | None = None,  # a step, "latest" or None (all)
+        exclude: list[str] | None = None,
+        latest_only: bool = False,
+    ) -> None:
+        """Download the model directory from S3; the newest step pulled becomes the model's
+        current step when it is newer than the one here (served, and trained on from there).
+        ``step`` and ``latest_only`` are ART's older spellings of ``only_step``."""
+        from artery import s3
+
+        if step is not None and only_step is not None and step != only_step:
+            raise ValueError(f"step={step} and only_step={only_step!r} disagree: give one")
+        only_step = only_step if only_step is not None else step
+        if latest_only and only_step is None:
+            only_step = "latest"
+        await s3.pull(
+            self,
+            model,
+            s3_bucket=s3_bucket,
+            prefix=prefix,
+            verbose=verbose,
+            delete=delete,
+            only_step=only_step,
+            exclude=exclude or (),
+        )
+
+    async def _experimental_deploy(
+        self,
+        deploy_to,
+        model: Model,
+        step: int | None = None,
+        s3_bucket: str | None = None,
+        prefix: str | None = None,
+        verbose: bool = False,
+        pull_s3: bool = True,
+        wait_for_completion: bool = True,
+    ):
+        """ART's deploy up to the vendor's API: the step's adapter zipped into the bucket with a
+        presigned URL; then ``artery.s3.DeploymentUnsupported`` (carrying them), since Artery
+        calls no vendor's API. ``wait_for_completion`` has nothing to wait for."""
+        from artery import s3
+
+        await s3.deploy(
+            self,
+            deploy_to,
+            model,
+            step=step,
+            s3_bucket=s3_bucket,
+            prefix=prefix,
+            verbose=verbose,
+            pull_s3=pull_s3,
+        )
