@@ -185,6 +185,10 @@ class PolicyCache:
             step_dir(self.settings, record, step), base, lora, optim, device=self.settings.device
         )
 
+    def forget(self) -> None:
+        """Drop the policy in memory: the next ``get`` loads the last saved step again."""
+        self._key, self._policy, self._step = None, None, 0
+
     def advance(self, record: ModelRecord, step: int) -> None:
         if self._key == (record.project, record.name):
             self._step = step

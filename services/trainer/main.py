@@ -6,8 +6,12 @@ import asyncio
 import os
 import socket
 
+import msgspec
+
+from artery.services.trainer.base_models import ANY, EMBEDDED
 from artery.services.trainer.service import Trainer
 from artery.services.trainer.settings import PREFIX, TrainerSettings
+from artery.shared.auth import nats_connect_options
 from artery.shared.models import limit_torch_threads
 from artery.shared.runtime import run_service
 from artery.shared.service_runner import serve_consumers
@@ -16,6 +20,9 @@ from artery.shared.settings import CommonSettings, load
 
 async def start(common: CommonSettings, stop: asyncio.Event) -> None:
     settings = load(TrainerSettings, PREFIX)
+    if settings.base_models is None:
+        allowed = ",".join(EMBEDDED) if authenticated(common) else ANY
+        settings = msgspec.structs.replace(settings, base_models=allowed)
     limit_torch_threads(settings.torch_threads)
     trainer_id = f"trainer-{socket.gethostname()}-{os.getpid()}"
     await serve_consumers(
@@ -26,6 +33,14 @@ async def start(common: CommonSettings, stop: asyncio.Event) -> None:
         checkpoint_dir=settings.checkpoint_dir,
         device=settings.device,
     )
+
+
+def authenticated(common: CommonSettings) -> bool:
+    """Whether the bus checks who connects: then an allow-list of base models protects something
+    (the publisher's rule, ``services/publisher/main.py``)."""
+    options = nats_connect_options(common)
+    credentials = {"user", "token", "user_credentials"} & options.keys()
+    return bool(credentials) or any("@" in url for url in common.nats_url.split(","))
 
 
 def main() -> None:

@@ -35,7 +35,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from artery.schemas import TrainConfig, TrainSFTConfig, Trajectory
+from artery.services.trainer.budgets import ModelShape, StepBudget
 from artery.services.trainer.logprobs import next_token_logprobs, token_logprobs
 from artery.services.trainer.lora import (
     DEFAULT_TARGET_MODULES,
@@ -105,6 +106,12 @@ OPTIMIZER_TENSORS = "optimizer.safetensors"
 OPTIMIZER_JSON = "optimizer.json"
 RNG_TENSORS = "rng.safetensors"
 CHECKPOINT_FORMAT = 1
+
+
+class StepCancelled(Exception):
+    """The step was asked to stop between micro-batches (the trainer is shutting down). An update
+    of an accumulated step may have been applied already: the caller drops this policy and
+    restores the last saved step, and the request is delivered again."""
 
 
 # --------------------------------------------------------------------------- the policy
@@ -243,10 +250,16 @@ class Policy:
         allow_training_without_logprobs: bool = False,
         off_policy: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        budget: StepBudget | None = None,
+        should_stop: Callable[[], bool] | None = None,
     ) -> StepResult:
         """One GRPO step. ``temperature`` is the sampler's: new logprobs are taken at it, as the
         sampler's old ones were. ``config.grad_accumulation_sequences`` (when set) splits the step's
-        sequences into optimizer steps of that many sequences each; unset, the step is one update."""
+        sequences into optimizer steps of that many sequences each; unset, the step is one update.
+
+        ``budget``: the sequences are checked against it before any tensor is made (raises
+        ``BudgetExceeded``). ``should_stop`` is asked before each micro-batch: True raises
+        ``StepCancelled`` before the optimizer steps, so a stopping trainer never waits out a step."""
         started = time.perf_counter()
         if temperature <= 0:
             raise ValueError("temperature must be > 0 (greedy samples have no logprobs to train on)")
@@ -265,6 +278,11 @@ class Policy:
             allow_training_without_logprobs=allow_training_without_logprobs,
             chat_template_kwargs=chat_template_kwargs,
         )
+        if budget is not None:
+            budget.check_sequences(
+                sequences, max((c.length for c in report.cut), default=0), ModelShape.of(self.model),
+                self.optim.micro_batch_size,
+            )  # fmt: skip
         self.step += 1
         metrics = dict(plan.metrics)
         metrics.update({key: float(value) for key, value in report.counts().items()})
@@ -282,10 +300,16 @@ class Policy:
             skip_reason = "no_trainable_sequences"
         if skip_reason is None:
             size = config.grad_accumulation_sequences or len(sequences)
-            updates = [
-                self._update(part, loss_fn, config, temperature=temperature, is_cap=is_cap)
-                for part in chunks(sequences, size)
-            ]
+            try:
+                updates = [
+                    self._update(
+                        part, loss_fn, config, temperature=temperature, is_cap=is_cap, should_stop=should_stop
+                    )
+                    for part in chunks(sequences, size)
+                ]
+            except StepCancelled:
+                self.step -= 1
+                raise
             metrics.update(merge_updates(updates))
             if not any(u["applied"] for u in updates):
                 skip_reason = "non_finite_gradient"
@@ -305,6 +329,7 @@ class Policy:
         *,
         temperature: float,
         is_cap: float | None = None,
+        should_stop: Callable[[], bool] | None = None,
     ) -> dict[str, float]:
         """One optimizer step over ``sequences``, accumulated over micro-batches. ``is_cap``: the
         samples are off-policy, corrected by truncated importance sampling at that cap."""
@@ -316,6 +341,7 @@ class Policy:
         kl = config.kl_penalty_coef > 0.0
         loss_sum = ratio_sum = clip_sum = kl_sum = is_ratio_sum = is_truncated_sum = 0.0
         for micro in chunks(sequences, self.optim.micro_batch_size):
+            _stop_if_asked(self.optimizer, should_stop)
             batch = {k: v.to(self.device) for k, v in pad_batch(micro, self.pad_id).items()}
             logprobs = next_token_logprobs(model, batch, temperature)  # [B,T-1]
             ref_logprobs = None
@@ -378,19 +404,23 @@ class Policy:
         *,
         max_seq_len: int,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        budget: StepBudget | None = None,
+        should_stop: Callable[[], bool] | None = None,
     ) -> StepResult:
         """One supervised fine-tuning step (ART's ``train_sft``): the trajectories, in order,
         ``config.batch_size`` per optimizer update, each batch at its own learning rate; the loss
         is the cross-entropy of the assistant tokens (every assistant message is trained unless
         ``trainable`` is False; rewards and sampled logprobs play no part). Raises ``ValueError``
-        when a list of learning rates does not have one rate per batch."""
+        when a list of learning rates does not have one rate per batch; ``budget`` and
+        ``should_stop`` as in ``train_step`` (every batch is tokenized and checked before the first
+        update)."""
         started = time.perf_counter()
         trajectories = list(trajectories)
         rates = config.learning_rates(len(trajectories))
         size = config.resolved_batch_size()
-        self.step += 1
         counts: dict[str, float] = {}
-        updates: list[dict[str, float]] = []
+        batches: list[tuple[list[TrainingSequence], float]] = []
+        uncut = 0
         for index, rate in enumerate(rates):
             sequences, report = sft_sequences(
                 trajectories[index * size : (index + 1) * size],
@@ -400,8 +430,20 @@ class Policy:
             )
             for key, value in report.counts().items():
                 counts[key] = counts.get(key, 0.0) + float(value)
-            if sequences:
-                updates.append(self._sft_update(sequences, rate))
+            uncut = max([uncut, *(c.length for c in report.cut)])
+            batches.append((sequences, rate))
+        if budget is not None:
+            every = [s for sequences, _ in batches for s in sequences]
+            budget.check_sequences(every, uncut, ModelShape.of(self.model), self.optim.micro_batch_size)
+        self.step += 1
+        updates: list[dict[str, float]] = []
+        try:
+            for sequences, rate in batches:
+                if sequences:
+                    updates.append(self._sft_update(sequences, rate, should_stop))
+        except StepCancelled:
+            self.step -= 1
+            raise
         metrics = {
             **counts,
             "batches": float(len(rates)),
@@ -428,7 +470,12 @@ class Policy:
             step=self.step, trained=skip_reason is None, skip_reason=skip_reason, metrics=metrics
         )
 
-    def _sft_update(self, sequences: list[TrainingSequence], learning_rate: float) -> dict[str, float]:
+    def _sft_update(
+        self,
+        sequences: list[TrainingSequence],
+        learning_rate: float,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> dict[str, float]:
         """One optimizer update on ``sequences`` at ``learning_rate``, accumulated over micro-batches."""
         model = self.model
         model.train()
@@ -436,6 +483,7 @@ class Policy:
         num_tokens = float(max(sum(trained_tokens(s) for s in sequences), 1))
         loss_sum = 0.0
         for micro in chunks(sequences, self.optim.micro_batch_size):
+            _stop_if_asked(self.optimizer, should_stop)
             batch = {k: v.to(self.device) for k, v in pad_batch(micro, self.pad_id).items()}
             logprobs = next_token_logprobs(model, batch, 1.0)  # [B,T-1]
             loss = sft_loss(logprobs, batch["assistant_mask"], num_tokens)
@@ -519,6 +567,13 @@ class Policy:
 
 
 # --------------------------------------------------------------------------- internals
+
+
+def _stop_if_asked(optimizer: torch.optim.Optimizer, should_stop: Callable[[], bool] | None) -> None:
+    """Between micro-batches: drop the gradients gathered so far and raise ``StepCancelled``."""
+    if should_stop is not None and should_stop():
+        optimizer.zero_grad(set_to_none=True)
+        raise StepCancelled("the trainer is stopping")
 
 
 def _dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:

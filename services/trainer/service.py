@@ -4,7 +4,14 @@ Two requests arrive on ``artery.train.requested.<project>.<model>``: ``train.req
 step over scored groups) and ``train.sft_requested`` (supervised fine-tuning on the groups'
 trajectories, ART's ``train_sft``). Both take the same path and get the same answers.
 
-Around every step: wait until the request's groups are stored, pause every inference replica of
+Which request runs next is ``schedule.py``'s: round-robin over projects among the pending requests
+whose groups are stored; one whose groups are not stored yet is handed back to wait (never
+occupying the trainer), up to ``group_wait_s``. What a request may cost is ``budgets.py``'s, and
+which base weights a model may name is ``base_models.py``'s: both refuse before anything is loaded,
+with ``train.failed`` (not retriable). So does every error of the step itself (a model that cannot
+be loaded, a request that cannot be trained): the same request meets it again on every delivery.
+
+Around every step: pause every inference replica of
 the model (a lease, renewed while training), train, save the adapter and the optimizer state,
 publish ``checkpoint.saved``, record the step, advance the model's step in the registry, resume
 inference, and answer with ``train.completed`` (what a step announces is in ``announce.py``). A
@@ -21,8 +28,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import msgspec
@@ -40,26 +48,39 @@ from artery.schemas import (
 )
 from artery.services.trainer import announce, checkpoints
 from artery.services.trainer.announce import request_event_id as request_event_id  # tests name it here
+from artery.services.trainer.base_models import BaseModelRefused, check_base_model
+from artery.services.trainer.budgets import (
+    BudgetExceeded,
+    StepBudget,
+    check_group_count,
+    check_trajectories,
+    memory_limit_bytes,
+)
+from artery.services.trainer.policy import StepCancelled
+from artery.services.trainer.schedule import (
+    Deferred,
+    DeferringConsumer,
+    Later,
+    RoundRobin,
+    recheck_delay,
+)
 from artery.services.trainer.settings import TrainerSettings
 from artery.services.trainer.staleness import drop_stale
 from artery.services.trainer.store import completed_step, load_groups, record_step, stored_group_ids
 from artery.shared import subjects
 from artery.shared.bus import CONTENT_TYPE
 from artery.shared.codec import EventDecoder
-from artery.shared.consumer import ConsumerOptions, ConsumingService, DurableConsumer
+from artery.shared.consumer import ConsumerOptions, ConsumingService
 from artery.shared.control_client import PauseFailed, paused
 from artery.shared.db import ServicePool
 from artery.shared.errors import DependencyUnavailable, InvalidMessage
 from artery.shared.logs import get_logger
 from artery.shared.registry import read_record
 from artery.shared.tracing import continue_trace, extract_links, tracer
-from artery.shared.wakeup import woken_by
 
 log = get_logger(__name__)
 SERVICE = "trainer"
 TRAINER_CONSUMER = "trainer"
-#: A request waiting for its groups reads PostgreSQL again at least this often (see woken_by).
-GROUP_RECHECK_S = 2.0
 _decoder = EventDecoder(TrainRequest)
 
 
@@ -87,6 +108,16 @@ class GroupsNotStored(Exception):
     pass
 
 
+class StepRefused(Exception):
+    """Loading the model or computing the step failed in a way the same request meets again on
+    every delivery (``checkpoints.ModelUnusable`` and ``BudgetExceeded`` are ValueErrors, like
+    the checks of the loss settings; an OSError there is base weights that cannot be read)."""
+
+
+#: Errors of the model's loading and of the step's computation that refuse the request for good.
+REFUSED = (ValueError, OSError)
+
+
 class Trainer(ConsumingService):
     def __init__(self, nc: nats.NATS, dsn: str, settings: TrainerSettings, *, trainer_id: str = SERVICE):
         self.nc = nc
@@ -98,15 +129,21 @@ class Trainer(ConsumingService):
         self.db = ServicePool(dsn, max_size=2)
         self.policies = checkpoints.PolicyCache(settings)
         self._tracer = tracer(SERVICE)
+        self.budget = StepBudget(settings, memory_limit_bytes(settings, settings.device))
+        self.round_robin = RoundRobin()
+        # Set by stop(): the step running in its thread gives up between micro-batches.
+        self.stopping = threading.Event()
         self.consumers = [
-            DurableConsumer(
+            DeferringConsumer(
                 self.js,
                 service=SERVICE,
                 stream=subjects.TRAINING,
                 durable=TRAINER_CONSUMER,
                 filter_subject=subjects.train("requested", "*", "*"),
                 handler=self.handle_batch,
-                options=ConsumerOptions(batch_size=1, ack_wait_s=settings.ack_wait_s, fetch_timeout_s=0.5),
+                options=ConsumerOptions(
+                    batch_size=settings.schedule_window, ack_wait_s=settings.ack_wait_s, fetch_timeout_s=0.5
+                ),
             )
         ]
 
@@ -114,54 +151,108 @@ class Trainer(ConsumingService):
         await self.db.open()
         await super().start()
 
+    def stop(self) -> None:
+        self.stopping.set()
+        super().stop()
+
     async def handle_batch(self, msgs: Sequence[Msg]) -> list[BaseException | None]:
-        outcomes: list[BaseException | None] = []
-        for msg in msgs:
+        """Up to ``schedule_window`` pending requests: refuse the invalid ones, hand back those
+        still waiting for groups, run one of the ready ones (``schedule.py``), hand back the rest."""
+        outcomes: list[BaseException | None] = [None] * len(msgs)
+        ready: list[tuple[int, TrainRequest]] = []
+        for index, msg in enumerate(msgs):
             try:
-                request = _decoder.decode(msg.data, (msg.headers or {}).get(CONTENT_TYPE))
-                non_finite = [
-                    name
-                    for name, value in msgspec.structs.asdict(request.config).items()
-                    if any(
-                        isinstance(v, float) and not math.isfinite(v)
-                        for v in (value if isinstance(value, list) else [value])
-                    )
-                ]
-                if non_finite:  # msgpack carries NaN and infinities, which JSON Schema cannot forbid
-                    raise InvalidMessage(
-                        "non_finite", f"config {', '.join(non_finite)} must be finite", original_id=request.id
-                    )
-                # NATS permissions scope an agent to its project's subjects: the payload must not
-                # name another project's model, or an agent could train (and pause) someone else's.
-                if msg.subject != subjects.train("requested", request.project, request.model):
-                    raise InvalidMessage(
-                        "subject_mismatch",
-                        f"{request.project}/{request.model} requested on {msg.subject}",
-                        original_id=request.id,
-                    )
-                with continue_trace(
-                    self._tracer,
-                    "trainer.step",
-                    msg.headers,
-                    attributes={
-                        "artery.project": request.project,
-                        "artery.model": request.model,
-                        "artery.request_id": request.id,
-                        "artery.groups": len(request.group_ids),
-                        "artery.kind": "sft" if isinstance(request, TrainSFTRequested) else "grpo",
-                    },
-                    links=extract_links(msg.headers),
-                ):
-                    async with keep_alive(msg, self.settings.ack_wait_s):
-                        await self.handle(request)
-                outcomes.append(None)
+                request = self._decode(msg)
+                if await self._waits_for_groups(msg, request):
+                    outcomes[index] = Deferred("groups not stored yet", recheck_delay(_age_s(msg)))
+                else:
+                    ready.append((index, request))
             except (InvalidMessage, DependencyUnavailable) as exc:
-                outcomes.append(exc)
-            except PauseFailed as exc:
-                # A replica that died stays registered until its heartbeat expires (30 s): an outage
-                # to wait out with back-off, never a reason to dead-letter the request.
-                outcomes.append(DependencyUnavailable(f"inference did not pause: {exc}"))
+                outcomes[index] = exc
+        if not ready:
+            return outcomes
+        chosen = self.round_robin.pick([request.project for _, request in ready])
+        consumer = self.consumers[0]
+        for position, (index, _) in enumerate(ready):
+            if position != chosen:
+                outcomes[index] = await consumer.settle_now(msgs[index], Later())
+        for index, _ in enumerate(msgs):
+            if isinstance(outcomes[index], Deferred):
+                outcomes[index] = await consumer.settle_now(msgs[index], outcomes[index])
+        index, request = ready[chosen]
+        self.round_robin.served(request.project)
+        outcomes[index] = await self._run(msgs[index], request)
         return outcomes
+
+    def _decode(self, msg: Msg) -> TrainRequest:
+        request = _decoder.decode(msg.data, (msg.headers or {}).get(CONTENT_TYPE))
+        non_finite = [
+            name
+            for name, value in msgspec.structs.asdict(request.config).items()
+            if any(
+                isinstance(v, float) and not math.isfinite(v)
+                for v in (value if isinstance(value, list) else [value])
+            )
+        ]
+        if non_finite:  # msgpack carries NaN and infinities, which JSON Schema cannot forbid
+            raise InvalidMessage(
+                "non_finite", f"config {', '.join(non_finite)} must be finite", original_id=request.id
+            )
+        # NATS permissions scope an agent to its project's subjects: the payload must not
+        # name another project's model, or an agent could train (and pause) someone else's.
+        if msg.subject != subjects.train("requested", request.project, request.model):
+            raise InvalidMessage(
+                "subject_mismatch",
+                f"{request.project}/{request.model} requested on {msg.subject}",
+                original_id=request.id,
+            )
+        return request
+
+    async def _waits_for_groups(self, msg: Msg, request: TrainRequest) -> bool:
+        """Whether the request is to be handed back: some of its groups are not stored yet, it
+        is younger than ``group_wait_s``, and nothing already refuses it for good."""
+        if (
+            _age_s(msg) >= self.settings.group_wait_s
+            or len(request.group_ids) > self.settings.max_request_sequences
+        ):
+            return False  # handle() answers it (groups never stored, or too many named)
+        async with self.db.connection() as conn:
+            ready = await stored_group_ids(conn, request.project, request.model, request.group_ids)
+        if ready >= set(request.group_ids):
+            return False
+        record = await self._model_record(request)  # an unknown model is dead-lettered at once
+        try:
+            check_base_model(self.settings, record.project, record.base_model)
+        except BaseModelRefused:
+            return False  # handle() answers it at once
+        return True
+
+    async def _run(self, msg: Msg, request: TrainRequest) -> BaseException | None:
+        try:
+            with continue_trace(
+                self._tracer,
+                "trainer.step",
+                msg.headers,
+                attributes={
+                    "artery.project": request.project,
+                    "artery.model": request.model,
+                    "artery.request_id": request.id,
+                    "artery.groups": len(request.group_ids),
+                    "artery.kind": "sft" if isinstance(request, TrainSFTRequested) else "grpo",
+                },
+                links=extract_links(msg.headers),
+            ):
+                async with keep_alive(msg, self.settings.ack_wait_s):
+                    await self.handle(request)
+            return None
+        except (InvalidMessage, DependencyUnavailable) as exc:
+            return exc
+        except PauseFailed as exc:
+            # A replica that died stays registered until its heartbeat expires (30 s): an outage
+            # to wait out with back-off, never a reason to dead-letter the request.
+            return DependencyUnavailable(f"inference did not pause: {exc}")
+        except StepCancelled:
+            return DependencyUnavailable("the trainer stopped during the step; the request is handed back")
 
     async def handle(self, request: TrainRequest) -> TrainCompleted | TrainFailed:
         async with self.db.connection() as conn:
@@ -180,9 +271,14 @@ class Trainer(ConsumingService):
             return await announce.complete(self.js, request, step, metrics)
         record = await self._model_record(request)
         try:
-            groups = await self._wait_for_groups(request)
+            check_base_model(self.settings, record.project, record.base_model)
+            check_group_count(self.settings, len(request.group_ids))
+            groups = await self._stored_groups(request)
+            check_trajectories(self.settings, groups)
         except GroupsNotStored as exc:
             return await announce.fail(self.js, request, str(exc), retriable=True)
+        except (BaseModelRefused, BudgetExceeded) as exc:
+            return await announce.fail(self.js, request, str(exc), retriable=False)
         if isinstance(request, TrainSFTRequested):
             try:  # a schedule of learning rates must have one per batch: never trainable as sent
                 request.config.learning_rates(sum(len(g) for g in groups))
@@ -190,7 +286,7 @@ class Trainer(ConsumingService):
                 return await announce.fail(self.js, request, str(exc), retriable=False)
         try:
             return await self._train(request, record, groups)
-        except checkpoints.ModelUnusable as exc:  # asking again cannot help: the agent must hear why
+        except StepRefused as exc:  # asking again cannot help: the agent must hear why
             return await announce.fail(self.js, request, str(exc), retriable=False)
 
     async def _model_record(self, request: TrainRequest) -> ModelRecord:
@@ -212,42 +308,39 @@ class Trainer(ConsumingService):
             )
         return record
 
-    async def _wait_for_groups(self, request: TrainRequest) -> list:
-        """Groups are published just before the request; the collector may still be writing them
-        (and the reward service judging them). Woken by their ``group.ready``/``group.scored``."""
-        deadline = time.monotonic() + self.settings.group_wait_s
-        wanted = set(request.group_ids)
-        signals = (
-            subjects.group_ready(request.project, request.model),
-            subjects.group_scored(request.project, request.model),
-        )
-        async with woken_by(self.nc, *signals) as wake:
-            while True:
-                wake.clear()  # before reading: a group stored during the read wakes the next wait
-                async with self.db.connection() as conn:
-                    ready = await stored_group_ids(conn, request.project, request.model, request.group_ids)
-                    missing = wanted - ready
-                    if not missing:
-                        return await load_groups(conn, request.project, request.model, request.group_ids)
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise GroupsNotStored(
-                        f"{len(missing)} of {len(wanted)} groups were never stored: {sorted(missing)[:5]}"
-                    )
-                # (keep_alive tells JetStream we are still at it.) The timeout only covers a signal
-                # missed while reconnecting.
-                await wake.wait(min(remaining, GROUP_RECHECK_S))
+    async def _stored_groups(self, request: TrainRequest) -> list:
+        """The request's groups; ``GroupsNotStored`` when some are still missing (the scheduler
+        hands a request back while it is younger than ``group_wait_s``: this one is not)."""
+        async with self.db.connection() as conn:
+            ready = await stored_group_ids(conn, request.project, request.model, request.group_ids)
+            missing = set(request.group_ids) - ready
+            if missing:
+                raise GroupsNotStored(
+                    f"{len(missing)} of {len(set(request.group_ids))} groups were never stored"
+                    f" (waited {self.settings.group_wait_s:g} s): {sorted(missing)[:5]}"
+                )
+            return await load_groups(conn, request.project, request.model, request.group_ids)
 
     async def _train(self, request: TrainRequest, record: ModelRecord, groups: list) -> TrainCompleted:
         started = time.monotonic()
-        policy, step = await self.policies.get(record)
+        policy, step = await self._refusing(self.policies.get(record))
         already = checkpoints.step_for_request(self.settings, record, request.id)
         if already is not None:  # crashed after saving, before recording: publish what was saved
             new_step, metrics = already
         else:
             async with self._hold_inference(request) as lease:
                 pause_s = time.monotonic() - started
-                result, extra = await self._step(policy, step, request, record, groups)
+                result, extra = await self._refusing(
+                    self._step(
+                        policy,
+                        step,
+                        request,
+                        record,
+                        groups,
+                        budget=self.budget,
+                        should_stop=self.stopping.is_set,
+                    )
+                )
                 new_step = step + 1
                 save_started = time.monotonic()
                 await asyncio.to_thread(
@@ -292,6 +385,21 @@ class Trainer(ConsumingService):
         )
         return await announce.complete(self.js, request, new_step, metrics)
 
+    async def _refusing(self, work):
+        """``work``'s result; its deterministic errors become ``StepRefused``, and a cancelled or
+        failed step drops the policy in memory (it may hold half a step: the next request
+        restores the last saved one)."""
+        try:
+            return await work
+        except StepCancelled:
+            self.policies.forget()
+            raise
+        except REFUSED as exc:
+            if not isinstance(exc, checkpoints.ModelUnusable | BudgetExceeded):
+                log.warning("step refused", error=repr(exc))
+                self.policies.forget()
+            raise StepRefused(_refusal(exc)) from exc
+
     def _hold_inference(self, request: TrainRequest):
         """A synchronous step pauses every replica while it trains (an async context yielding the
         lease); an asynchronous one (off-policy samples allowed) trains while inference keeps
@@ -308,7 +416,15 @@ class Trainer(ConsumingService):
         )
 
     async def _step(
-        self, policy, step: int, request: TrainRequest, record: ModelRecord, groups: list
+        self,
+        policy,
+        step: int,
+        request: TrainRequest,
+        record: ModelRecord,
+        groups: list,
+        *,
+        budget: StepBudget | None = None,
+        should_stop: Callable[[], bool] | None = None,
     ) -> tuple:
         """The optimizer work of one request, in a thread; returns its result and extra metrics.
 
@@ -323,6 +439,8 @@ class Trainer(ConsumingService):
                 request.config,
                 max_seq_len=self.settings.max_seq_len,
                 chat_template_kwargs=template,
+                budget=budget,
+                should_stop=should_stop,
             )
             return result, {}
         extra: dict[str, float] = {}
@@ -343,6 +461,8 @@ class Trainer(ConsumingService):
             temperature=self.settings.temperature,
             off_policy=off_policy,
             chat_template_kwargs=template,
+            budget=budget,
+            should_stop=should_stop,
         )
         return result, extra
 
@@ -354,3 +474,16 @@ def is_off_policy(request: TrainRequest) -> bool:
 
 def model_dir(settings: TrainerSettings, project: str, model: str) -> Path:
     return Path(settings.checkpoint_dir) / project / model
+
+
+def _age_s(msg: Msg) -> float:
+    """Seconds since the request was stored in the stream (its first delivery's clock)."""
+    stamp = msg.metadata.timestamp
+    return max(0.0, time.time() - stamp.timestamp()) if stamp is not None else 0.0
+
+
+def _refusal(exc: BaseException) -> str:
+    """The agent's answer: the refusal's own words, or the error's kind and words."""
+    if isinstance(exc, checkpoints.ModelUnusable | BudgetExceeded):
+        return str(exc)
+    return f"the step cannot run: {type(exc).__name__}: {exc}"

@@ -39,3 +39,50 @@ class TrainerSettings(msgspec.Struct, kw_only=True, frozen=True):
         int,
         doc("CPU threads torch may use (0: torch's default, every core); set it when sharing cores", ge=0),
     ] = 0
+    # What one request may cost, checked before a tensor is made: a request over any of these
+    # fails at once with ``train.failed`` (not retriable) naming the budget and the figures.
+    max_sampled_turns: Annotated[
+        int, doc("sampled assistant turns one trajectory may hold (its additional histories included)", ge=1)
+    ] = 64
+    max_group_sequences: Annotated[
+        int, doc("training sequences one group may give (a conversation split at a turn gives more)", ge=1)
+    ] = 256
+    max_request_sequences: Annotated[
+        int, doc("training sequences one request may give, all its groups together", ge=1)
+    ] = 2048
+    max_sequence_tokens: Annotated[
+        int, doc("tokens of one sequence before it is cut to max_seq_len; a longer one is refused", ge=16)
+    ] = 32768
+    max_request_tokens: Annotated[
+        int, doc("tokens one request trains on, all its sequences together (after cutting)", ge=16)
+    ] = 1_048_576
+    max_step_memory_mib: Annotated[
+        int,
+        doc(
+            "estimated memory of a step's largest micro-batch (activations and logits), MiB;"
+            " 0: half the machine's memory (the GPU's on cuda)",
+            ge=0,
+        ),
+    ] = 0
+    # Whose base weights a model may name: a record is written for an agent, so its base_model is
+    # never opened as a path the agent chose.
+    base_models: Annotated[
+        str | None,
+        doc(
+            "comma-separated names of the base models a model may be trained on (artery/tiny-random,"
+            " a Hugging Face name in the local cache); * for any name or directory. Unset: * on a bus"
+            " without authentication (whoever reaches it may write the registry anyway), else the"
+            " embedded models' names. Another project's checkpoints are never allowed"
+        ),
+    ] = None
+    warm_start_dir: Annotated[
+        str | None,
+        doc(
+            "directory of adapters a project may warm-start from, <dir>/<project>/<adapter>, beside"
+            " its own checkpoints (the same setting as the publisher's ARTERY_PUBLISHER_WARM_START_DIR)"
+        ),
+    ] = None
+    schedule_window: Annotated[
+        int,
+        doc("pending train requests looked at to pick the next one (round-robin over projects)", ge=1),
+    ] = 64
