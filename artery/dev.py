@@ -1,20 +1,35 @@
-"""``art.dev``: ART's advanced settings, mapped onto Artery's, or refused by name.
+"""``art.dev``: ART's advanced settings, mapped onto Artery's where Artery has the knob.
 
-ART takes these as ``TypedDict``s (``art.dev.TrainConfig(epsilon=0.2)`` is a plain dict), so do we.
-Each key either has a meaning here and is translated (``TrainConfig`` keys into the wire
-``TrainConfig`` the trainer reads; ``peft_args``/``LoRAConfig`` into the adapter's shape, which the
-trainer reads from the model's registry record), or raises ``UnsupportedSetting`` naming it. Nothing
-is dropped silently: a script that relies on a knob we do not have must hear so at once.
+ART takes these as ``TypedDict``s (``art.dev.InitArgs(max_seq_length=8192)`` is a plain dict), so
+do we; every name ART's ``art.dev`` exports exists here. The TypedDicts list the keys Artery reads;
+any other key is accepted as ART accepts it.
+
+Two kinds of setting, treated differently:
+
+- ``TrainConfig`` keys (``art.dev.TrainConfig``, ``backend.train`` keywords) change the step's
+  math: each is translated into the wire ``TrainConfig`` or, when Artery's trainer computes
+  something else, refused by name (``UnsupportedSetting``), so a script never trains on math it
+  did not ask for.
+- ``InternalModelConfig`` keys tune ART's in-process engines (Unsloth, vLLM, Tinker). Where Artery
+  has the same knob it is mapped (``model_settings``): the LoRA shape, the longest training
+  sequence, the LoRA rank a vLLM replica serves, chat-template variables. The rest has no effect
+  here (Artery's services are configured by their own ``ARTERY_*`` settings) and is said so once
+  per process, in a warning naming the key; none of them is an error.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any, Literal, TypedDict
 
-
-class UnsupportedSetting(ValueError):
-    """An ART setting Artery does not implement (the message names it and says why)."""
+from artery.utils.art_settings import (
+    ModelSettings,
+    UnsupportedSetting,
+    lora_fields,
+    model_config_fields,
+    model_settings,
+    note_no_effect,
+    train_config_fields,
+)
 
 
 class LoRAConfig(TypedDict, total=False):
@@ -25,6 +40,140 @@ class LoRAConfig(TypedDict, total=False):
     dropout: float
     target_modules: list[str]
     init_weights: bool
+
+
+class PeftArgs(TypedDict, total=False):
+    """ART 0.3-0.5's ``peft_args`` (PEFT ``LoraConfig`` names); ``r``, ``lora_alpha``,
+    ``lora_dropout`` and ``target_modules`` shape the adapter, as ``LoRAConfig``'s keys."""
+
+    r: int
+    lora_alpha: float
+    lora_dropout: float
+    target_modules: list[str]
+    bias: str
+    use_rslora: bool
+    random_state: int
+    use_gradient_checkpointing: str | bool
+
+
+class InitArgs(TypedDict, total=False):
+    """Unsloth's ``FastLanguageModel.from_pretrained`` arguments in ART. ``max_seq_length`` is
+    the trainer's longest sequence (``ARTERY_TRAINER_MAX_SEQ_LEN``); ``max_lora_rank`` the largest
+    rank a vLLM replica serves; the others tune Unsloth and have no effect here."""
+
+    model_name: str
+    max_seq_length: int
+    dtype: str | None
+    load_in_4bit: bool
+    load_in_8bit: bool
+    fast_inference: bool
+    gpu_memory_utilization: float
+    max_lora_rank: int
+    enable_prefix_caching: bool
+
+
+class EngineArgs(TypedDict, total=False):
+    """vLLM's ``AsyncEngineArgs`` in ART. ``max_lora_rank`` and ``dtype`` reach Artery's replica
+    (``ARTERY_INFERENCE_MAX_LORA_RANK``, ``ARTERY_INFERENCE_DTYPE``); the rest has no effect here."""
+
+    model: str
+    dtype: str
+    max_model_len: int | None
+    gpu_memory_utilization: float
+    enforce_eager: bool | None
+    num_scheduler_steps: int
+    max_lora_rank: int
+    max_loras: int
+    enable_sleep_mode: bool
+    enable_prefix_caching: bool | None
+    tensor_parallel_size: int
+
+
+class TrainerArgs(TypedDict, total=False):
+    """Hugging Face ``TrainingArguments`` in ART; ``max_grad_norm`` becomes the model's default
+    for each step (``TrainConfig.max_grad_norm``); the rest has no effect here."""
+
+    learning_rate: float
+    max_grad_norm: float
+    weight_decay: float
+    adam_beta1: float
+    adam_beta2: float
+    optim: str
+    gradient_accumulation_steps: int
+    per_device_train_batch_size: int
+
+
+class TinkerTrainingClientArgs(TypedDict, total=False):
+    rank: int
+    seed: int | None
+    train_mlp: bool
+    train_attn: bool
+    train_unembed: bool
+
+
+class TinkerArgs(TypedDict, total=False):
+    """Thinking Machines' Tinker client in ART (its Tinker backends); no effect here."""
+
+    renderer_name: str
+    training_client_args: TinkerTrainingClientArgs
+
+
+TinkerNativeArgs = TinkerArgs
+
+
+class VllmRuntimeArgs(TypedDict, total=False):
+    mode: Literal["managed", "external"]
+    server_url: str
+    api_key: str | None
+
+
+RolloutWeightsMode = Literal["lora", "merged"]
+RolloutWeightUpdateMode = Literal["step_lora", "in_flight_lora"]
+
+
+class InternalModelConfig(TypedDict, total=False):
+    """ART's ``art.dev.InternalModelConfig``; see ``model_settings`` for what each key becomes."""
+
+    init_args: InitArgs
+    engine_args: EngineArgs
+    peft_args: PeftArgs
+    tinker_args: TinkerArgs | None
+    tinker_native_args: TinkerNativeArgs | None
+    trainer_args: TrainerArgs
+    trainer_gpu_ids: list[int]
+    inference_gpu_ids: list[int]
+    rollout_weights_mode: RolloutWeightsMode
+    rollout_weight_update_mode: RolloutWeightUpdateMode
+    chat_template_kwargs: dict[str, Any]
+    chat_template: str
+    chat_template_path: str
+    chat_template_content_format: str
+    chat_template_tool_schema_format: str
+    vllm_runtime: VllmRuntimeArgs
+    allow_unvalidated_arch: bool
+
+
+class BackendModelConfig(InternalModelConfig, total=False):
+    lora_config: LoRAConfig
+
+
+class ServerArgs(TypedDict, total=False):
+    """vLLM's OpenAI server arguments in ART; Artery's replica has its own (no effect here)."""
+
+    host: str | None
+    port: int
+    api_key: str | None
+    tool_call_parser: str | None
+    enable_auto_tool_choice: bool
+    return_tokens_as_token_ids: bool
+
+
+class OpenAIServerConfig(TypedDict, total=False):
+    """ART's ``register(_openai_client_config=...)``: ``engine_args`` as in ``InternalModelConfig``."""
+
+    log_file: str
+    server_args: ServerArgs
+    engine_args: EngineArgs
 
 
 class TrainConfig(TypedDict, total=False):
@@ -51,158 +200,87 @@ class TrainConfig(TypedDict, total=False):
     truncated_importance_sampling: float | None
 
 
-class InternalModelConfig(TypedDict, total=False):
-    """ART's ``art.dev.InternalModelConfig`` keys; see ``model_config_fields``."""
-
-    init_args: dict[str, Any]
-    engine_args: dict[str, Any]
-    peft_args: dict[str, Any]
-    tinker_args: dict[str, Any]
-    tinker_native_args: dict[str, Any]
-    trainer_args: dict[str, Any]
-    trainer_gpu_ids: list[int]
-    inference_gpu_ids: list[int]
-    rollout_weights_mode: Literal["lora", "merged"]
-    chat_template_kwargs: dict[str, Any]
-    chat_template: str
-    chat_template_path: str
-    chat_template_content_format: str
-    chat_template_tool_schema_format: str
-    allow_unvalidated_arch: bool
+class TrainSFTConfig(TypedDict, total=False):
+    """ART's ``art.dev.TrainSFTConfig``: ``train_sft(_config=...)`` accepts none of its keys."""
 
 
-#: ART key -> wire ``TrainConfig`` field, for keys that mean the same thing here.
-_SAME_MEANING = {
-    "epsilon": "epsilon",
-    "epsilon_high": "epsilon_high",
-    "kl_penalty_coef": "kl_penalty_coef",
-    "scale_rewards": "scale_rewards",
-    "truncated_importance_sampling": "truncated_importance_sampling",
-    "learning_rate": "learning_rate",
-    "loss_fn": "loss_fn",
-    "grad_accumulation_sequences": "grad_accumulation_sequences",
-    "max_grad_norm": "max_grad_norm",
-}
-
-#: Keys whose ART default is also Artery's only behaviour: accepted at that value, refused otherwise.
-_ONLY_DEFAULT: dict[str, Any] = {
-    "advantage_balance": 0.0,
-    "importance_sampling_level": "token",
-    "kimi_k2_tau": None,
-    "kl_ref_adapter_path": None,
-    "mask_prob_ratio": False,
-    "max_negative_advantage_importance_sampling_weight": None,
-    "num_trajectories_learning_rate_multiplier_power": 0.0,
-    "packed_sequence_length": None,
-    "plot_tensors": False,
-    "precalculate_logprobs": False,
-    "scale_learning_rate_by_reward_std_dev": False,
-    "allow_training_without_logprobs": False,
-    # Both only steer how ART's own trainer spends memory and time; ours chooses for itself.
-    "save_checkpoint": True,
-    "verbose": False,
-}
-
-#: Keys that only tune ART's own implementation (chunk sizes): any value is fine, none changes the math.
-_PERFORMANCE_ONLY = {"logprob_calculation_chunk_size"}
+LossType = Literal["cispo", "ppo"]
+#: ART's default completion budget for its own rollouts.
+DEFAULT_MAX_COMPLETION_LENGTH = 8192
 
 
-def train_config_fields(config: Mapping[str, Any] | None) -> dict[str, Any]:
-    """ART's ``dev.TrainConfig`` (or ``backend.train`` keywords) as wire ``TrainConfig`` fields."""
-    fields: dict[str, Any] = {}
-    for key, value in (config or {}).items():
-        if key in _SAME_MEANING:
-            fields[_SAME_MEANING[key]] = value
-        elif key == "ppo":  # ART: ppo=True is the clipped PPO loss, False its default CISPO
-            fields["loss_fn"] = "ppo" if value else "cispo"
-        elif key == "normalize_advantages":  # ART's backend.train: False means scale_rewards=False
-            if not value:
-                fields["scale_rewards"] = False
-        elif key in _PERFORMANCE_ONLY:
-            continue
-        elif key in _ONLY_DEFAULT:
-            if value != _ONLY_DEFAULT[key]:
-                raise UnsupportedSetting(
-                    f"train setting {key}={value!r} is not implemented by Artery's trainer"
-                    f" (only {_ONLY_DEFAULT[key]!r}, ART's default, is)"
-                )
-        else:
-            raise UnsupportedSetting(f"unknown or unsupported train setting {key!r}")
-    return fields
+def get_model_config(
+    base_model: str, output_dir: str | None = None, config: InternalModelConfig | None = None
+) -> InternalModelConfig:
+    """ART's helper: the config with ART's documented defaults under what it sets."""
+    config = dict(config or {})
+    return InternalModelConfig(
+        {
+            **config,
+            "init_args": {"model_name": base_model, "max_seq_length": 32768, **config.get("init_args", {})},
+            "engine_args": dict(config.get("engine_args", {})),
+            "peft_args": {"r": 8, "lora_alpha": 16, **config.get("peft_args", {})},
+            "trainer_args": {"learning_rate": 5e-6, "max_grad_norm": 0.1, **config.get("trainer_args", {})},
+        }
+    )
 
 
-#: ART's ``peft_args`` (PEFT ``LoraConfig`` names) -> our LoRA keys.
-_PEFT_KEYS = {"r": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout"}
-#: PEFT keys whose values are what our adapter does anyway.
-_PEFT_DEFAULTS = {"bias": "none", "task_type": "CAUSAL_LM", "use_rslora": False, "use_dora": False}
+def get_openai_server_config(
+    model_name: str,
+    base_model: str,
+    log_file: str | None = None,
+    lora_path: str | None = None,
+    config: OpenAIServerConfig | None = None,
+) -> OpenAIServerConfig:
+    """ART's helper: the given server config, with the served model named."""
+    config = dict(config or {})
+    engine_args = {"model": base_model, "served_model_name": model_name, **config.get("engine_args", {})}
+    return OpenAIServerConfig({**config, "engine_args": engine_args})
 
 
-def lora_fields(config: Mapping[str, Any] | None) -> dict[str, Any]:
-    """A ``LoRAConfig`` (or PEFT ``peft_args``) as the trainer's ``config["lora"]``, validated."""
-    out: dict[str, Any] = {}
-    for key, value in (config or {}).items():
-        name = _PEFT_KEYS.get(key, key)
-        if name == "init_weights":
-            if value is not True:
-                raise UnsupportedSetting(f"LoRA {key}={value!r}: only PEFT's default initialisation is used")
-            continue
-        if key in _PEFT_DEFAULTS:
-            if value != _PEFT_DEFAULTS[key]:
-                raise UnsupportedSetting(f"LoRA setting {key}={value!r} is not implemented by Artery")
-            continue
-        if key in ("random_state", "use_gradient_checkpointing"):  # Unsloth's; no effect on the math
-            continue
-        if name not in ("rank", "alpha", "dropout", "target_modules"):
-            raise UnsupportedSetting(f"unknown or unsupported LoRA setting {key!r}")
-        out[name] = value
-    if "rank" in out and (not isinstance(out["rank"], int) or out["rank"] < 1):
-        raise ValueError(f"LoRA rank must be a positive integer, got {out['rank']!r}")
-    if "alpha" in out and not (isinstance(out["alpha"], int | float) and out["alpha"] > 0):
-        raise ValueError(f"LoRA alpha must be > 0, got {out['alpha']!r}")
-    if "dropout" in out and not (isinstance(out["dropout"], int | float) and 0 <= out["dropout"] < 1):
-        raise ValueError(f"LoRA dropout must lie in [0, 1), got {out['dropout']!r}")
-    if "target_modules" in out:
-        modules = out["target_modules"]
-        if isinstance(modules, str) or not modules or not all(isinstance(m, str) and m for m in modules):
-            raise ValueError(f"LoRA target_modules must be a non-empty list of names, got {modules!r}")
-        out["target_modules"] = list(modules)
-    return out
+def is_dedicated_mode(config: InternalModelConfig | None) -> bool:
+    """ART's test for separate training and inference GPUs (both id lists set)."""
+    return bool(config and config.get("trainer_gpu_ids") and config.get("inference_gpu_ids"))
 
 
-def model_config_fields(config: Mapping[str, Any] | None) -> dict[str, Any]:
-    """ART's ``InternalModelConfig`` as registry ``config`` entries the services read.
+def is_external_vllm_mode(config: InternalModelConfig | None) -> bool:
+    return bool(config and (config.get("vllm_runtime") or {}).get("mode") == "external")
 
-    ``peft_args`` -> ``lora`` (the trainer's adapter shape); ``chat_template_kwargs`` ->
-    ``chat_template_kwargs`` (sent with every request of ``model.openai_client()``, as ART does).
-    Engine, Unsloth, trainer and GPU placement keys configure ART's in-process vLLM and Unsloth:
-    here those are the inference and trainer services' own settings (``ARTERY_INFERENCE_*``,
-    ``ARTERY_TRAINER_*``), so a script that sets them is told where they went.
-    """
-    out: dict[str, Any] = {}
-    for key, value in (config or {}).items():
-        if key == "peft_args":
-            out["lora"] = lora_fields(value)
-        elif key == "chat_template_kwargs":
-            if not isinstance(value, Mapping):
-                raise ValueError("chat_template_kwargs must be a mapping")
-            out["chat_template_kwargs"] = dict(value)
-        elif key in ("engine_args", "init_args", "trainer_args", "trainer_gpu_ids", "inference_gpu_ids"):
-            raise UnsupportedSetting(
-                f"model setting {key!r} configures ART's in-process engine or trainer; in Artery set the"
-                " inference service's ARTERY_INFERENCE_* or the trainer's ARTERY_TRAINER_* settings"
-                " (see the README, 'Settings')"
-            )
-        else:
-            raise UnsupportedSetting(f"model setting {key!r} is not implemented by Artery")
-    return out
+
+def validate_dedicated_config(config: InternalModelConfig | None) -> None:
+    """ART checks its GPU split here; Artery places its services itself, so any split is accepted."""
 
 
 __all__ = [
+    "DEFAULT_MAX_COMPLETION_LENGTH",
+    "BackendModelConfig",
+    "EngineArgs",
+    "InitArgs",
     "InternalModelConfig",
     "LoRAConfig",
+    "LossType",
+    "ModelSettings",
+    "OpenAIServerConfig",
+    "PeftArgs",
+    "RolloutWeightUpdateMode",
+    "RolloutWeightsMode",
+    "ServerArgs",
+    "TinkerArgs",
+    "TinkerNativeArgs",
+    "TinkerTrainingClientArgs",
     "TrainConfig",
+    "TrainSFTConfig",
+    "TrainerArgs",
     "UnsupportedSetting",
+    "VllmRuntimeArgs",
+    "get_model_config",
+    "get_openai_server_config",
+    "is_dedicated_mode",
+    "is_external_vllm_mode",
     "lora_fields",
     "model_config_fields",
+    "model_settings",
+    "note_no_effect",
     "train_config_fields",
+    "validate_dedicated_config",
 ]

@@ -10,6 +10,7 @@ import asyncio
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
+from artery.dev import note_no_effect
 from artery.gather_context import GatherContext, TooManyExceptions, _current, current_gather
 from artery.shared.tracing import tracer
 from artery.trajectories import Trajectory, TrajectoryGroup
@@ -24,6 +25,12 @@ __all__ = [
 
 _tracer = tracer("artery.sdk")
 
+
+def _note_token_total(asked: bool) -> None:
+    if asked:
+        note_no_effect("pbar_total_completion_tokens=True", "the bar counts rollouts and shows mean metrics")
+
+
 AfterEach = Callable[[TrajectoryGroup], Awaitable[TrajectoryGroup | list[TrajectoryGroup] | None]]
 
 
@@ -31,15 +38,20 @@ async def gather_trajectory_groups(
     groups: Iterable[Awaitable[TrajectoryGroup]],
     *,
     pbar_desc: str = "gather",
+    pbar_total_completion_tokens: bool = False,
     max_exceptions: int | float = 0,
     max_metrics: int | None = None,
     after_each: AfterEach | None = None,
 ) -> list[TrajectoryGroup]:
     """Await every group concurrently; return them in the order given.
 
+    ``pbar_total_completion_tokens`` is ART's older switch for a token count on the bar; accepted
+    (ART deprecated it), it changes nothing here.
+
     ``after_each`` runs on each finished group (scoring, filtering): ``None`` drops the group,
     a list replaces it with several.
     """
+    _note_token_total(pbar_total_completion_tokens)
     context = GatherContext(pbar_desc, max_exceptions, max_metrics)
     token = _current.set(context)
     try:
@@ -64,9 +76,12 @@ async def gather_trajectories(
     trajectories: Iterable[Awaitable[Trajectory]],
     *,
     pbar_desc: str = "gather",
+    pbar_total_completion_tokens: bool = False,
     max_exceptions: int | float = 0,
 ) -> list[Trajectory]:
-    """Like ``gather_trajectory_groups`` for loose trajectories; raised ones are left out."""
+    """Like ``gather_trajectory_groups`` for loose trajectories; raised ones are left out.
+    ``pbar_total_completion_tokens``: as in ``gather_trajectory_groups``, accepted, no effect."""
+    _note_token_total(pbar_total_completion_tokens)
     context = GatherContext(pbar_desc, max_exceptions)
     token = _current.set(context)
     items = list(trajectories)

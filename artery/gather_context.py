@@ -13,6 +13,8 @@ from typing import Any, Protocol
 
 from tqdm.auto import tqdm
 
+from artery.utils.reward_given import reward_given
+
 
 class Scored(Protocol):
     """What the progress bar reads of a finished trajectory (``artery.trajectories.Trajectory``,
@@ -105,7 +107,8 @@ class GatherContext:
 
     def record_trajectory(self, trajectory: Scored) -> None:
         self.done += 1
-        self._add("reward", trajectory.reward)
+        if reward_given(trajectory.reward):  # none given yet: not averaged in as 0.0
+            self._add("reward", trajectory.reward)
         for key, value in trajectory.metrics.items():
             if isinstance(value, int | float) and (
                 self.max_metrics is None or len(self.sums) < self.max_metrics or key in self.sums

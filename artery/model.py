@@ -2,33 +2,40 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
-import statistics
+import re
 import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from opentelemetry import trace
-
 from artery import dev, integrations
-from artery.dev import InternalModelConfig, LoRAConfig, lora_fields, model_config_fields
+from artery.dev import InternalModelConfig, LoRAConfig, lora_fields, model_settings, note_no_effect
+from artery.model_transport import traced_transport
 from artery.schemas.base import NAME_PATTERN
-from artery.shared.tracing import inject, tracer
-from artery.trajectories import Trajectory, TrajectoryGroup
+from artery.trajectories import Trajectory, TrajectoryGroup, require_rewards
+from artery.utils.art_settings import with_server_config
+from artery.utils.model_files import (
+    ModelFiles,
+    append_history,
+    as_groups,
+    best_step_in_history,
+    jsonable,
+    summarize,
+)
 
 if TYPE_CHECKING:
     from artery.backend_api import ModelBackend, TrainResult
     from artery.schemas import TrainConfig, TrainSFTConfig
 
-import re
-
 _NAME = re.compile(NAME_PATTERN)
-_tracer = tracer("artery.sdk")
+#: ART's default directory for model files (``.art/<project>/models/<name>/``).
+DEFAULT_BASE_PATH = ".art"
 
 
-class Model:
+class Model(ModelFiles):
     trainable = False
 
     def __init__(
@@ -49,7 +56,7 @@ class Model:
             if not _NAME.match(value):
                 raise ValueError(f"model {label} {value!r} must match {NAME_PATTERN} (it is a subject token)")
         if config is not None:
-            json.dumps(config)  # as ART: the config must be JSON-serialisable, checked early
+            json.dumps(jsonable(config))  # as ART: the config must be JSON-serialisable, checked early
         self.name = name
         self.project = project
         self.entity = entity
@@ -58,7 +65,7 @@ class Model:
         self.inference_api_key = inference_api_key
         self.inference_base_url = inference_base_url
         self.inference_model_name = inference_model_name
-        #: Where history.jsonl goes; unset, a LocalBackend's own path (as ART), else ``.artery``.
+        #: Where history.jsonl and state.json go; unset, a LocalBackend's own path (as ART), else ``.art``.
         self.base_path = base_path
         self.report_metrics = report_metrics
         self._backend: ModelBackend | None = None
@@ -69,15 +76,40 @@ class Model:
     def __repr__(self) -> str:
         return f"{type(self).__name__}(project={self.project!r}, name={self.name!r})"
 
-    @property
     def backend(self) -> ModelBackend:
+        """The backend the model is registered with (a method, as in ART)."""
         if self._backend is None:
             raise RuntimeError(f"{self!r} is not registered: call `await model.register(backend)` first")
         return self._backend
 
+    def model_dump(self, *, mode: str = "python", exclude_none: bool = False) -> dict[str, Any]:
+        """The model's fields as a dict (ART's ``Model`` is a pydantic model)."""
+        data = {
+            "name": self.name,
+            "project": self.project,
+            "entity": self.entity,
+            "id": self.id,
+            "config": jsonable(self.config) if mode == "json" else self.config,
+            "inference_api_key": self.inference_api_key,
+            "inference_base_url": self.inference_base_url,
+            "inference_model_name": self.inference_model_name,
+            "base_path": self.base_path,
+            "report_metrics": self.report_metrics,
+            "trainable": self.trainable,
+        }
+        return {k: v for k, v in data.items() if v is not None} if exclude_none else data
+
+    def model_dump_json(self, **kwargs) -> str:
+        return json.dumps(self.model_dump(mode="json", **kwargs))
+
     async def register(self, backend: ModelBackend) -> None:
-        if self.base_path is None and isinstance(getattr(backend, "path", None), Path):
-            self.base_path = str(backend.path)
+        for label, value in (("name", self.name), ("project", self.project)):  # changed after a copy
+            if not _NAME.match(value):
+                raise ValueError(f"model {label} {value!r} must match {NAME_PATTERN} (it is a subject token)")
+        if self.base_path is None:  # a LocalBackend's: ART's .art, or the path it was given
+            path = getattr(backend, "models_path", None) or getattr(backend, "path", None)
+            if isinstance(path, Path):
+                self.base_path = str(path)
         await backend.register(self)
         self._backend = backend
         if self.trainable and self.inference_base_url is None:
@@ -109,7 +141,7 @@ class Model:
             if self._from_registry:
                 transport = ReplicaRouter(
                     transport,
-                    lambda: self.backend.replicas(self),
+                    lambda: self.backend().replicas(self),
                     base_path=httpx.URL(self.inference_base_url).path,
                 )
             self._openai_client = openai.AsyncOpenAI(
@@ -144,19 +176,19 @@ class Model:
     async def get_step(self) -> int:
         if not self.trainable:
             return 0
-        return await self.backend._get_step(self)
+        return await self.backend()._get_step(self)
 
     async def publish(
         self, groups: TrajectoryGroup | Iterable[TrajectoryGroup], *, split: str = "train"
     ) -> list[str]:
         """Send finished groups to Artery (stored, then scored and trained on); return their ids."""
-        if isinstance(groups, TrajectoryGroup):
-            groups = [groups]
-        return await self.backend.publish(self, groups, split=split)
+        groups = [groups] if isinstance(groups, TrajectoryGroup) else list(groups)
+        require_rewards(groups)
+        return await self.backend().publish(self, groups, split=split)
 
     @property
     def directory(self) -> Path:
-        return Path(self.base_path or ".artery") / self.project / "models" / self.name
+        return Path(self.base_path or DEFAULT_BASE_PATH) / self.project / "models" / self.name
 
     async def log(
         self,
@@ -174,7 +206,7 @@ class Model:
         the split is ``train``), and written to ``trajectories/{split}/{step:04d}.parquet`` in
         the model directory (ART's layout, ``artery.parquet``; needs pyarrow).
         """
-        groups = _as_groups(trajectories)
+        groups = as_groups(trajectories)
         row = dict(metrics or {})
         if groups:
             row.update(summarize(groups))
@@ -184,7 +216,7 @@ class Model:
         row = {k: v for k, v in row.items() if not (isinstance(v, float) and math.isnan(v))}
         step = await self.get_step() if step is None else step
         history_row = {"step": step, "recorded_at": time.time(), **row}
-        _append_history(self.directory / "history.jsonl", history_row)
+        append_history(self.directory / "history.jsonl", history_row)
         await integrations.report(self, history_row, groups, split)  # W&B, when asked
         if groups:
             # ART's layout beside history.jsonl; after it, so the metrics are kept even without pyarrow.
@@ -212,16 +244,55 @@ class TrainableModel(Model):
         super().__init__(name=name, project=project, **kwargs)
         self.base_model = base_model
         self.run_id = run_id
-        # Validated now, so a typo or an unsupported key fails at construction, not in the trainer.
-        internal = model_config_fields(_internal_config)
-        if lora_config is not None and "lora" in internal:
+        #: The adapter's shape given as ``lora_config`` (``peft_args`` may give it instead).
+        self._lora_given = lora_fields(lora_config) if lora_config is not None else None
+        # Mapped now, so a bad value fails at construction, not in the trainer.
+        self._internal_config = _internal_config
+
+    @property
+    def _internal_config(self) -> InternalModelConfig | None:
+        """ART's ``_internal_config``: set at construction or afterwards (as ART's examples do),
+        it is mapped at once (``artery.dev.model_settings``) and applied at ``register()``."""
+        return self._internal
+
+    @_internal_config.setter
+    def _internal_config(self, config: InternalModelConfig | None) -> None:
+        settings = model_settings(config)
+        if self._lora_given is not None and settings.lora is not None:
             raise ValueError("give the adapter's shape once: lora_config or _internal_config['peft_args']")
+        if getattr(self, "_backend", None) is not None:
+            note_no_effect("_internal_config set after register()", "it applies at the next register()")
+        self._internal = config
+        self._settings = settings
         #: The adapter's shape (``LoRAConfig``); None: the trainer's defaults, or what it was registered with.
         self.lora_config: dict[str, Any] | None = (
-            lora_fields(lora_config) if lora_config is not None else internal.get("lora")
+            self._lora_given if self._lora_given is not None else settings.lora
         )
         #: Chat-template variables sent with every request of ``openai_client()`` (ART does the same).
-        self.chat_template_kwargs: dict[str, Any] = internal.get("chat_template_kwargs", {})
+        self.chat_template_kwargs: dict[str, Any] = settings.chat_template_kwargs
+
+    def model_dump(self, *, mode: str = "python", exclude_none: bool = False) -> dict[str, Any]:
+        data = super().model_dump(mode=mode, exclude_none=exclude_none)
+        data.update(base_model=self.base_model, _internal_config=copy.deepcopy(self._internal))
+        return data
+
+    async def register(
+        self, backend: ModelBackend, _openai_client_config: dev.OpenAIServerConfig | None = None
+    ):
+        """Record the model and start what serves it (a ``LocalBackend``: the stack, its replica).
+
+        Before anything starts, a base model that cannot be loaded here fails, naming the ways to
+        provide one; the ``_internal_config`` knobs Artery has reach the services it starts."""
+        from artery.utils.base_model import check_base_model
+        from artery.utils.service_settings import apply_model_settings
+
+        if _starts_services_here(backend):
+            check_base_model(self.base_model)
+        settings = self._settings
+        if _openai_client_config:
+            settings = with_server_config(settings, _openai_client_config)
+        apply_model_settings(backend, self, settings)
+        await super().register(backend)
 
     async def train(
         self,
@@ -241,14 +312,18 @@ class TrainableModel(Model):
         ``history.jsonl``, so ``delete_checkpoints`` can pick the best step.
         """
         groups = list(trajectory_groups)
-        result = await self.backend.train(self, groups, config=config, **{**(_config or {}), **kwargs})
+        fields = {**(_config or {}), **kwargs}
+        for key, value in self._settings.train_defaults.items():  # trainer_args: the model's defaults
+            if key not in fields and (config is None or getattr(config, key, None) is None):
+                fields[key] = value
+        result = await self.backend().train(self, groups, config=config, **fields)
         row = {f"train/{k}": v for k, v in summarize(groups).items()}
         # A metric that names its section (``offpolicy/...``) keeps it, as in ``log``.
         row.update(
             {k if "/" in k else f"train/{k}": v for k, v in result.metrics.items() if k not in ("reward",)}
         )
         history_row = {"step": result.step, "recorded_at": time.time(), **row}
-        _append_history(self.directory / "history.jsonl", history_row)
+        append_history(self.directory / "history.jsonl", history_row)
         await integrations.report(self, history_row, groups, "train")  # W&B, when asked
         if verbose:
             print(
@@ -272,10 +347,10 @@ class TrainableModel(Model):
         """
         if _config:
             raise ValueError(f"train_sft(_config=...): no setting of {sorted(_config)} is supported")
-        result = await self.backend.train_sft(self, list(trajectories), config)
+        result = await self.backend().train_sft(self, list(trajectories), config)
         row = {f"train/{k}": v for k, v in result.metrics.items()}
         history_row = {"step": result.step, "recorded_at": time.time(), **row}
-        _append_history(self.directory / "history.jsonl", history_row)
+        append_history(self.directory / "history.jsonl", history_row)
         await integrations.report(self, history_row)  # W&B, when asked
         if verbose:
             print(
@@ -284,95 +359,38 @@ class TrainableModel(Model):
             )
         return result
 
-    async def delete_checkpoints(
-        self, best_checkpoint_metric: str | None = "reward_mean", *, keep_latest: int = 1
-    ):
-        """As ART: keep the latest step and the best one by ``best_checkpoint_metric`` (a metric of
-        the training step, e.g. ``reward_mean``); every other adapter is deleted everywhere."""
-        return await self.backend.delete_checkpoints(
-            self, best_checkpoint_metric=best_checkpoint_metric, keep_latest=keep_latest
+    async def delete_checkpoints(self, best_checkpoint_metric: str | None = None, *, keep_latest: int = 1):
+        """As ART: keep the latest step and the best one by ``best_checkpoint_metric``; every other
+        adapter is deleted everywhere.
+
+        The metric is looked up first in ``history.jsonl`` (what ``model.log()`` and ``train()``
+        wrote: ``"val/reward"``, ``"train/reward"``), by its mean per step as ART does, then among
+        the trainer's own step metrics (``"reward_mean"``). Unset, it is ART's default
+        ``"val/reward"`` when the history has it, else the trainer's ``"reward_mean"``."""
+        metric = best_checkpoint_metric
+        history = self.directory / "history.jsonl"
+        best = best_step_in_history(history, metric or "val/reward")
+        backend = self.backend()
+        if best is not None:
+            applied = await backend.delete_checkpoints(
+                self, best_checkpoint_metric=None, keep_latest=keep_latest, keep_steps=[best]
+            )
+            return _with_best(applied, best)
+        applied = await backend.delete_checkpoints(
+            self, best_checkpoint_metric=metric or "reward_mean", keep_latest=keep_latest
         )
+        if metric is not None and applied.best_step is None:
+            print(f'No "{metric}" metric found in history')  # ART's words; the latest step is kept
+        return applied
 
 
-def traced_transport(inner, *, body_defaults: dict[str, Any] | None = None):
-    """An httpx transport that sends each request in a CLIENT span, with its ``traceparent``.
-
-    ``body_defaults`` are added to every chat-completion request body that does not set them
-    (ART's client does this for ``chat_template_kwargs``)."""
-    import httpx
-
-    class TracedTransport(httpx.AsyncBaseTransport):
-        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-            path = request.url.path
-            if body_defaults and request.method == "POST" and path.endswith("/chat/completions"):
-                request = _with_body_defaults(request, body_defaults)
-            name = "artery.completion" if path.endswith("completions") else f"artery.http {request.method}"
-            with _tracer.start_as_current_span(
-                name,
-                kind=trace.SpanKind.CLIENT,
-                attributes={
-                    "http.request.method": request.method,
-                    "url.path": path,
-                    "server.address": request.url.host,
-                },
-            ) as span:
-                request.headers.update(inject({}))
-                response = await inner.handle_async_request(request)
-                span.set_attribute("http.response.status_code", response.status_code)
-                if response.status_code >= 500:
-                    span.set_status(trace.StatusCode.ERROR)
-                return response
-
-        async def aclose(self) -> None:
-            await inner.aclose()
-
-    return TracedTransport()
+def _starts_services_here(backend) -> bool:
+    """Whether ``backend`` runs the trainer and replicas on this machine (a ``LocalBackend``,
+    told by its embedded stack: ``artery.local`` is not imported here, it imports this module)."""
+    return getattr(backend, "stack", None) is not None
 
 
-def _with_body_defaults(request, defaults: dict[str, Any]):
-    """The same request with ``defaults`` merged into its JSON body (keys it sets win)."""
-    import httpx
+def _with_best(applied, best: int):
+    import msgspec
 
-    try:
-        body = json.loads(request.content)
-    except ValueError:
-        return request  # not JSON: the server will say so
-    if not isinstance(body, dict):
-        return request
-    body = {**defaults, **body}
-    headers = [(k, v) for k, v in request.headers.multi_items() if k.lower() != "content-length"]
-    return httpx.Request(request.method, request.url, headers=headers, content=json.dumps(body).encode())
-
-
-def _append_history(path: Path, row: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        f.write(json.dumps(row) + "\n")
-
-
-def _as_groups(items) -> list[TrajectoryGroup]:
-    if items is None:
-        return []
-    items = list(items)
-    if all(isinstance(i, TrajectoryGroup) for i in items):
-        return items
-    return [TrajectoryGroup([t]) for t in items]
-
-
-def summarize(groups: list[TrajectoryGroup]) -> dict[str, float]:
-    """ART's averages: reward, exception_rate, each metric, reward_std_dev (within-group)."""
-    trajectories = [t for g in groups for t in g]
-    exceptions = sum(len(g.exceptions) for g in groups)
-    out: dict[str, float] = {}
-    if trajectories:
-        out["reward"] = statistics.fmean(t.reward for t in trajectories)
-        keys = {k for t in trajectories for k in t.metrics}
-        for key in sorted(keys):
-            values = [float(t.metrics[key]) for t in trajectories if key in t.metrics]
-            out[key] = statistics.fmean(values)
-        stds = [statistics.pstdev([t.reward for t in g]) for g in groups if len(g) > 1]
-        if stds:
-            out["reward_std_dev"] = statistics.fmean(stds)
-    total = len(trajectories) + exceptions
-    out["exception_rate"] = exceptions / total if total else 0.0
-    return out
+    return msgspec.structs.replace(applied, best_step=best if best in applied.kept else None)

@@ -23,6 +23,8 @@ from artery.schemas import Trajectory as WireTrajectory
 from artery.services.collector.validate import check_finite
 from artery.shared.errors import InvalidMessage
 from artery.shared.tracing import tracer
+from artery.utils import pydantic_surface
+from artery.utils.reward_given import NoReward
 
 _tracer = tracer("artery.sdk")
 
@@ -31,6 +33,21 @@ def _tools(tools: list[Any] | None) -> list[Tool] | None:
     if tools is None:
         return None
     return [t if isinstance(t, Tool) else msgspec.convert(convert._as_dict(t), Tool) for t in tools]
+
+
+def require_rewards(groups: Iterable[TrajectoryGroup]) -> None:
+    """Refuse groups holding a trajectory whose reward was never given, unless the reward service
+    gives them theirs (RULER without ``combine_with_reward``)."""
+    for n, group in enumerate(groups):
+        if group.reward is not None and not getattr(group.reward, "combine_with_reward", False):
+            continue
+        missing = [i for i, t in enumerate(group.trajectories) if isinstance(t.reward, NoReward)]
+        if missing:
+            raise ValueError(
+                f"group {n}: trajectories {missing} have no reward. Set `trajectory.reward` (ART 0.3"
+                " requires one; Artery never takes a missing reward as 0.0), or have the group scored"
+                " (`art.rewards.ruler_score_group`, or `TrajectoryGroup(..., reward=art.RulerSpec(...))`)"
+            )
 
 
 @dataclass
@@ -49,7 +66,7 @@ class Trajectory:
     messages_and_choices: list[Any] = field(default_factory=list)
     tools: list[Any] | None = None
     additional_histories: list[History] = field(default_factory=list)
-    reward: float = 0.0
+    reward: float = field(default_factory=NoReward)
     initial_policy_version: int | None = None
     final_policy_version: int | None = None
     metrics: dict[str, float | int | bool] = field(default_factory=dict)
@@ -65,13 +82,13 @@ class Trajectory:
         return self
 
     @contextlib.asynccontextmanager
-    async def track_duration(self, name: str):
-        """Add the time spent inside the block to ``metrics[f"{name}_duration"]``."""
+    async def track_duration(self, metric_name: str):
+        """Add the time spent inside the block to ``metrics[f"{metric_name}_duration"]``."""
         start = time.monotonic()
         try:
             yield
         finally:
-            key = f"{name}_duration"
+            key = f"{metric_name}_duration"
             self.metrics[key] = float(self.metrics.get(key, 0.0)) + time.monotonic() - start
 
     def messages(self) -> list[dict[str, Any]]:
@@ -85,6 +102,16 @@ class Trajectory:
                 item.setdefault("content", "")
             out.append(item)
         return out
+
+    # ART's Trajectory is a pydantic model; its examples call these (``artery.utils.pydantic_surface``).
+    def model_dump(self, *, mode: str = "python") -> dict[str, Any]:
+        return pydantic_surface.trajectory_dump(self, mode)
+
+    def model_copy(self, *, update: dict[str, Any] | None = None, deep: bool = False) -> Trajectory:
+        return pydantic_surface.copy_with(self, update, deep)
+
+    def for_logging(self) -> dict[str, Any]:
+        return pydantic_surface.for_logging(self)
 
     def to_wire(self) -> WireTrajectory:
         return WireTrajectory(
@@ -152,6 +179,13 @@ class TrajectoryGroup:
 
     def __len__(self) -> int:
         return len(self.trajectories)
+
+    def model_dump(self, *, mode: str = "python") -> dict[str, Any]:
+        return pydantic_surface.group_dump(self, mode)
+
+    def model_copy(self, *, update: dict[str, Any] | None = None, deep: bool = False) -> TrajectoryGroup:
+        # A copy is another group: it gets its own event id when published.
+        return pydantic_surface.copy_with(self, update, deep, fresh=("_given", "_event_id", "_sent"))
 
     def __repr__(self) -> str:
         rewards = [round(t.reward, 3) for t in self.trajectories]

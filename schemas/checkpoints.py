@@ -55,6 +55,8 @@ class RetentionRequested(Event, kw_only=True, tag="checkpoint.retain"):
     best_metric: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | None
     #: Whether the best value of ``best_metric`` is the highest or the lowest.
     best_mode: Literal["max", "min"] = "max"
+    #: Steps kept besides those (the SDK's best step by a metric of ``history.jsonl``).
+    keep_steps: Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=10_000)] = []
 
 
 class RetentionApplied(Event, kw_only=True, tag="checkpoint.retained"):

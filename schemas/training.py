@@ -24,6 +24,18 @@ class TrainConfig(Struct, kw_only=True):
     truncated_importance_sampling: float | None = None
     grad_accumulation_sequences: Annotated[int, msgspec.Meta(ge=1)] | None = None
     max_grad_norm: float | None = None
+    #: ART 0.3's name for the KL penalty's coefficient (its ``TrainConfig(beta=...)``): given alone,
+    #: it is ``kl_penalty_coef``, as ART itself renamed it (the penalty is ART's current one, applied
+    #: through the advantage against the base model, not 0.3's loss term).
+    beta: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+
+    def __post_init__(self) -> None:
+        if self.beta and self.kl_penalty_coef and self.beta != self.kl_penalty_coef:
+            raise ValueError(
+                f"beta={self.beta} and kl_penalty_coef={self.kl_penalty_coef} name one coefficient: give one"
+            )
+        if self.beta:
+            self.kl_penalty_coef = self.beta
 
 
 #: The most groups one step may name: far above a GRPO step (tens to hundreds of groups), and

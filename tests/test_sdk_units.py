@@ -202,7 +202,7 @@ async def test_history_goes_under_the_local_backends_path_unless_set(tmp_path):
             return "http://127.0.0.1:1/v1"
 
     model = art.TrainableModel(name="m", project="p", base_model="artery/tiny-random")
-    assert model.directory == Path(".artery/p/models/m")
+    assert model.directory == Path(".art/p/models/m")  # ART's default directory
     await model.register(PathBackend())
     assert model.directory == tmp_path / "runs" / "p" / "models" / "m"
     chosen = art.TrainableModel(name="m", project="p", base_model="x", base_path=str(tmp_path / "mine"))

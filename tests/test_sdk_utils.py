@@ -368,7 +368,10 @@ def tool_use_trajectory() -> art.Trajectory:
 def sample_groups() -> list[art.TrajectoryGroup]:
     return [
         art.TrajectoryGroup(
-            [tool_use_trajectory(), art.Trajectory(messages_and_choices=[{"role": "user", "content": "hi"}])],
+            [
+                tool_use_trajectory(),
+                art.Trajectory(messages_and_choices=[{"role": "user", "content": "hi"}], reward=0.0),
+            ],
             metadata={"task": "birds"},
             metrics={"judge_seconds": 0.5},
             logs=["group log"],

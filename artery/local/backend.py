@@ -14,6 +14,7 @@ import msgspec
 import nats
 
 from artery.backend import Backend
+from artery.dev import note_no_effect
 from artery.shared.auth import nats_connect_options, secret_value
 from artery.shared.embedded import free_port
 from artery.stack import Stack
@@ -44,11 +45,17 @@ class LocalBackend(Backend):
     ):
         super().__init__(nats_url="nats://127.0.0.1:0")
         if in_process:
-            # ART's in_process=True runs its trainer inside the caller; Artery's services are always
-            # their own processes (that is what lets each restart, scale and be traced alone).
-            raise ValueError("LocalBackend(in_process=True): Artery's services always run as processes")
+            # ART's in_process=True runs its trainer inside the caller (for notebooks' output);
+            # Artery's services are always their own processes (that is what lets each restart,
+            # scale and be traced alone), so the flag changes nothing: said once, not refused.
+            note_no_effect(
+                "LocalBackend(in_process=True)",
+                "Artery's services always run as their own processes (their logs: `artery logs`)",
+            )
         #: ART's figure for cost metrics; kept for scripts that pass it (no GPU is priced on a CPU).
         self.gpu_cost_per_hour_usd = gpu_cost_per_hour_usd
+        #: Where model files go (``<project>/models/<name>/``): ART's ``.art`` unless a path is given.
+        self.models_path = Path(".art" if path is None else path)
         path = ".artery" if path is None else path
         if secure != (project is not None):
             raise ValueError("secure=True needs the project whose agent user the backend connects as")

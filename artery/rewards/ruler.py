@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import copy
 import logging
+from pprint import pprint
 from typing import Any
 
+from artery.shared import ruler as core
 from artery.shared.ruler import (
     DEFAULT_RUBRIC,
     RESPONSE_FORMAT,
@@ -18,10 +20,10 @@ from artery.shared.ruler import (
     build_judge_messages,
     common_prefix_len,
     parse_scores,
-    ruler,
     ruler_judgement,
 )
 from artery.trajectories import Trajectory, TrajectoryGroup
+from artery.utils.reward_given import reward_given
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +44,36 @@ __all__ = [
 ]
 
 
+async def ruler(
+    message_lists: list[list[Any]],
+    judge_model: str = "openai/o3",
+    extra_litellm_params: dict[str, Any] | None = None,
+    rubric: str = DEFAULT_RUBRIC,
+    tools: list[Any] | None = None,
+    *,
+    debug: bool = False,
+    max_attempts: int = 2,
+) -> list[TrajectoryScore]:
+    """Score each message list relative to the others with an LLM judge, one score per list.
+
+    ``debug=True`` (ART's) prints what the judge is asked and each score with its explanation."""
+    if debug and message_lists:
+        print("[RULER] judge prompt:")
+        pprint(build_judge_messages(message_lists, rubric, tools))
+    scores = await core.ruler(
+        message_lists, judge_model, extra_litellm_params, rubric, tools, max_attempts=max_attempts
+    )
+    if debug:
+        print("[RULER] scores:")
+        pprint(
+            [
+                {"trajectory_id": s.trajectory_id, "score": s.score, "explanation": s.explanation}
+                for s in scores
+            ]
+        )
+    return scores
+
+
 async def ruler_score_group(
     group: TrajectoryGroup,
     judge_model: str = "openai/o3",
@@ -49,11 +81,13 @@ async def ruler_score_group(
     rubric: str = DEFAULT_RUBRIC,
     *,
     swallow_exceptions: bool = False,
+    debug: bool = False,
 ) -> TrajectoryGroup | None:
     """A copy of the group with ``reward = metrics["ruler_score"]`` set by the judge.
 
-    The original reward is kept in ``metrics["independent_reward"]``. With ``swallow_exceptions``
-    a failure returns ``None`` (log it and drop the group) instead of raising.
+    The original reward, when one was given, is kept in ``metrics["independent_reward"]``. With
+    ``swallow_exceptions`` a failure returns ``None`` (log it and drop the group) instead of
+    raising. ``debug=True`` prints the judge's prompt and scores (``ruler``).
     """
     for trajectory in group.trajectories:
         if trajectory.additional_histories:
@@ -66,6 +100,7 @@ async def ruler_score_group(
             extra_litellm_params=extra_litellm_params,
             rubric=rubric,
             tools=new_trajectories[0].tools if new_trajectories else None,
+            debug=debug,
         )
     except Exception:
         if swallow_exceptions:
@@ -73,7 +108,8 @@ async def ruler_score_group(
             return None
         raise
     for trajectory, score in zip(new_trajectories, scores, strict=True):
-        trajectory.metrics["independent_reward"] = trajectory.reward
+        if reward_given(trajectory.reward):
+            trajectory.metrics["independent_reward"] = trajectory.reward
         trajectory.metrics["ruler_score"] = score.score
         trajectory.reward = score.score
         trajectory.log(f"RULER explanation: {score.explanation}")

@@ -72,7 +72,10 @@ class RetentionServer:
                     "subject_mismatch", f"{request.project}/{request.model} requested on {msg.subject}"
                 )
             policy = RetentionPolicy(
-                keep_latest=request.keep_latest, best_metric=request.best_metric, best_mode=request.best_mode
+                keep_latest=request.keep_latest,
+                best_metric=request.best_metric,
+                best_mode=request.best_mode,
+                keep_steps=tuple(request.keep_steps),
             )
             plan = await self.publisher.apply_retention(
                 request.project, request.model, policy, reason="requested"

@@ -31,6 +31,8 @@ class RetentionPolicy:
     #: The metric whose best step is also kept; None keeps only the newest steps.
     best_metric: str | None = "reward_mean"
     best_mode: BestMode = "max"
+    #: Steps kept whatever their metrics (chosen by the caller).
+    keep_steps: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.keep_latest < 1:
@@ -66,7 +68,7 @@ def plan_retention(checkpoints: Iterable[Checkpoint], policy: RetentionPolicy) -
     steps = [c.step for c in live]
     if len(set(steps)) != len(steps):
         raise ValueError(f"a step appears twice: {steps}")
-    keep = set(steps[-policy.keep_latest :])
+    keep = set(steps[-policy.keep_latest :]) | set(policy.keep_steps)
     best = best_step(live, policy.best_metric, policy.best_mode) if policy.best_metric else None
     if best is not None:
         keep.add(best)
