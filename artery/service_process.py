@@ -1,6 +1,7 @@
 """One service as a child process of the stack: its start (under the interpreter the stack picks:
 an inference replica on the vLLM engine has a virtualenv of its own), its ``ready`` line, signals
-and stop."""
+and stop. It lives no longer than the process that started it: ``ARTERY_LIFELINE_PID`` names that
+process, and the service watches it (``shared.lifeline``)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from artery.shared.embedded import stop_process
+from artery.shared.lifeline import child_env
 
 #: Every service logs this event once it is set up and serving (see ``shared.runtime``).
 READY_MARKER = b'"event": "ready"'
@@ -40,7 +42,7 @@ class ServiceProcess:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [self.python, "-m", f"artery.services.{self.service or self.name}"],
-                env=self.env,
+                env={**self.env, **child_env()},  # whoever starts it now: a restart may be elsewhere
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # Ctrl-C reaches the parent, which stops children in order

@@ -12,6 +12,11 @@ for it was taken. Once a server has run, its port is kept: a restart comes back 
 
 A server that fails to start is stopped again, and the error carries the end of its own log.
 
+Lifetime: each server runs in a session of its own (a Ctrl-C meant for the program is not for
+it) with a guard process beside it (``shared.lifeline``): once the program that started it is
+gone, even SIGKILLed, the guard stops it the way it is meant to be stopped. PostgreSQL listens on
+TCP only: a Unix socket's path is limited to 107 bytes, which a deep data directory exceeds.
+
 Long module: two launchers (NATS, PostgreSQL) that share the port, process and log handling
 above; each is read with the rules it follows, in one place.
 """
@@ -30,6 +35,8 @@ import sys
 import time
 from pathlib import Path
 
+from artery.shared.lifeline import guard, release
+
 NATS_READY_TIMEOUT_S = 10.0
 PG_READY_TIMEOUT_S = 30.0
 #: As root, PostgreSQL refuses to run; it runs as this system user, created if missing.
@@ -38,6 +45,10 @@ PG_SYSTEM_USER = "artery-pg"
 PORT_ATTEMPTS = 5
 #: How much of a server's log a start failure quotes.
 LOG_TAIL_LINES = 20
+#: What a guard sends once the program is gone, and how long it waits after each signal.
+NATS_STOPS = ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0))
+#: A fast shutdown first (committed data kept), then an immediate one, then SIGKILL.
+PG_STOPS = ((signal.SIGINT, 15.0), (signal.SIGQUIT, 5.0), (signal.SIGKILL, 5.0))
 
 
 class PortInUseError(RuntimeError):
@@ -162,6 +173,7 @@ class NatsServer:
         self.extra_config = extra_config
         self.log_file = log_file or self.store_dir / "nats-server.log"
         self.proc: subprocess.Popen | None = None
+        self._guard: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
@@ -195,8 +207,9 @@ class NatsServer:
                 [nats_server_binary(), "-c", str(config)],
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                start_new_session=True,  # so it also outlives us: stopped on failure below
+                start_new_session=True,
             )
+        self._guard = guard(self.proc, NATS_STOPS, self.log_file)
         try:
             self._take_ports(self._wait_ready(log_offset))
         except BaseException:
@@ -233,7 +246,8 @@ class NatsServer:
             stop_process(self.proc, sig, timeout)
             # It removes its ports file when it shuts down cleanly; after SIGKILL it cannot.
             self._ports_file(self.proc.pid).unlink(missing_ok=True)
-        self.proc = None
+        release(self._guard)
+        self.proc = self._guard = None
 
     def __enter__(self) -> NatsServer:
         return self.start()
@@ -335,6 +349,7 @@ class PostgresServer:
         self._port_settled = port is not None
         self.log_file = log_file or self.data_dir.parent / f"{self.data_dir.name}.log"
         self.proc: subprocess.Popen | None = None
+        self._guard: subprocess.Popen | None = None
         self.user, self.uid, self.gid = _run_as()
 
     def dsn(self, database: str = "postgres") -> str:
@@ -400,18 +415,19 @@ class PostgresServer:
                     str(self.port),
                     "-h",
                     "127.0.0.1",
-                    "-k",
-                    str(self.data_dir),
+                    "-c",
+                    "unix_socket_directories=",  # TCP only (module doc)
                     "-c",
                     "max_connections=200",
                     *self._durability_flags(),
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                start_new_session=True,  # so it also outlives us: stopped on failure below
+                start_new_session=True,
                 user=self.uid,
                 group=self.gid,
             )
+        self._guard = guard(self.proc, PG_STOPS, self.log_file)
         try:
             self._wait_ready(log_offset)
         except BaseException:
@@ -454,7 +470,8 @@ class PostgresServer:
     def stop(self, timeout: float = 20.0) -> None:
         """Fast shutdown (SIGINT): open connections are cut, committed data is kept."""
         stop_process(self.proc, signal.SIGINT, timeout)
-        self.proc = None
+        release(self._guard)
+        self.proc = self._guard = None
 
     def __enter__(self) -> PostgresServer:
         return self.start()

@@ -19,6 +19,7 @@ import structlog
 
 from artery.shared import bus, subjects
 from artery.shared.health import HEALTH, NatsReadiness, note_log_event
+from artery.shared.lifeline import watch_parent
 from artery.shared.logs import get_logger, setup_logging
 from artery.shared.metrics import start_metrics_server
 from artery.shared.permissions import provision_if_missing
@@ -100,6 +101,7 @@ def run_service(
     """Read the common settings, set up logs and traces, run ``start`` until SIGTERM/SIGINT."""
     common = load(CommonSettings, "ARTERY_")
     setup_logging(service, common.log_level, common.log_format)
+    watch_parent(log.warning)  # started by a stack: stop once the program that started it is gone
     _watch_ready_line()
     # /metrics, /healthz, /readyz; its URL goes on every log line (``ready`` too)
     metrics_url = start_metrics_server(service)

@@ -15,6 +15,7 @@ import nats
 
 from artery.backend import Backend
 from artery.dev import note_no_effect
+from artery.shared import lifeline
 from artery.shared.auth import nats_connect_options, secret_value
 from artery.shared.embedded import free_port
 from artery.stack import Stack
@@ -25,6 +26,10 @@ if TYPE_CHECKING:
 
 class LocalBackend(Backend):
     """Starts the embedded stack under ``path`` (default ``./.artery``) and connects to it.
+
+    The stack lives as long as the program: ``close()`` stops it, and so does the program's end
+    without it (normal, by an exception or a signal; ``shared.lifeline``). ``artery up`` is the way
+    to keep a stack running on purpose.
 
     ``secure=True``: every service runs as its own NATS user (``Stack(secure=True)``) and the
     backend connects as ``agent-<project>``, so it may use ``project``'s subjects only.
@@ -78,6 +83,9 @@ class LocalBackend(Backend):
 
     async def _connect(self) -> nats.NATS:
         if not self._started:
+            # Armed before the start, from this (usually the main) thread, where signal handlers
+            # can be set: a program that ends while the stack starts stops what had started.
+            self._exit_hook = lifeline.at_exit(self.stack.stop)
             # Starting servers blocks for about a second: keep the event loop free meanwhile.
             await asyncio.to_thread(self.stack.start)
             if self.stack.console_url:  # where to watch the run: said once, like ART's W&B link
@@ -111,4 +119,5 @@ class LocalBackend(Backend):
         await super().close()
         if self._started:
             await asyncio.to_thread(self.stack.stop)
+            lifeline.cancel(self._exit_hook)
             self._started = False
