@@ -36,7 +36,6 @@ import functools
 import importlib
 import json
 import logging
-import re
 import threading
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from typing import Any, Literal, overload
@@ -45,14 +44,13 @@ import msgspec
 
 from artery import convert
 from artery.completion_bodies import SSE_DONE, as_choice, choice_from_json, choice_from_sse
+from artery.shared.served_name import parse_served_name
 from artery.trajectories import History, Trajectory
 
 __all__ = ["auto_trajectory", "capture_auto_trajectory"]
 
 log = logging.getLogger(__name__)
 
-#: Served names are ``<model>@<step>`` (``services/inference/checkpoints.served_name``).
-_SERVED_STEP = re.compile(r"@(\d+)$")
 #: The HTTP clients whose ``send`` a capture wraps, when installed.
 _HTTP_MODULES = ("httpx", "httpx2")
 
@@ -156,11 +154,11 @@ class _Capture:
             history.messages_and_choices.extend(messages[len(history.messages_and_choices) :])
             history.messages_and_choices.append(choice)
             history.tools = tools
-            step = _SERVED_STEP.search(served or "")
-            if step is not None:
+            policy = parse_served_name(served or "")  # ``<model>@<step>``
+            if policy is not None:
                 if self.trajectory.initial_policy_version is None:
-                    self.trajectory.initial_policy_version = int(step.group(1))
-                self.trajectory.final_policy_version = int(step.group(1))
+                    self.trajectory.initial_policy_version = policy[1]
+                self.trajectory.final_policy_version = policy[1]
 
 
 _context: contextvars.ContextVar[_Capture | None] = contextvars.ContextVar(

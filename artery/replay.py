@@ -55,6 +55,7 @@ from artery.shared import bus, subjects
 from artery.shared.bus import CONTENT_TYPE
 from artery.shared.codec import EventDecoder
 from artery.shared.registry import read_record
+from artery.shared.served_name import served_name, step_of
 from artery.shared.settings import CommonSettings
 
 _IDS = uuid.UUID("0b7c4a52-9e1d-4d3b-8f60-7265706c6179")
@@ -192,9 +193,9 @@ def as_new_model(
         for trajectory in group.trajectories:
             for message in trajectory.messages:
                 served = message.sample.served_model if message.sample is not None else None
-                base, at, sampled = (served or "").rpartition("@")
-                if at and base == model and sampled.isdigit():
-                    message.sample.served_model = f"{new_model}@{max(int(sampled) - offset, 0)}"
+                sampled = step_of(served or "", model)
+                if sampled is not None:
+                    message.sample.served_model = served_name(new_model, max(sampled - offset, 0))
     return msgspec.structs.replace(group, model=new_model, step=step)
 
 

@@ -81,6 +81,7 @@ from artery.shared.bus import CONTENT_TYPE
 from artery.shared.codec import EventDecoder
 from artery.shared.errors import InvalidMessage
 from artery.shared.logs import get_logger
+from artery.shared.served_name import served_name
 from artery.shared.tracing import continue_trace, tracer
 
 log = get_logger(__name__)
@@ -99,10 +100,6 @@ class _Received:
 
     event: CheckpointPublished | CheckpointSaved | CheckpointDeleted
     headers: dict[str, str] | None
-
-
-def served_name(model: str, step: int) -> str:
-    return f"{model}@{step}"
 
 
 class CheckpointWatcher:

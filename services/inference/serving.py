@@ -5,7 +5,8 @@ model when none is loaded); ``<model>@<step>`` is that step's adapter; ``<model>
 model, which also answers to the base model's own name (``base_model``, as registered: what a user
 of the untrained model asks for), as the step-0 policy. The mapping is read from
 ``engine.adapters()`` on every request, so an adapter is served as soon as the engine has loaded it
-under the name ``<model>@<step>``. A name served by none of these is a 404 that lists them.
+under the name ``<model>@<step>``. A name served by none of these is a 404 that lists them; so is
+a step not written as ``shared.served_name`` writes it (``agent@00``, ``agent@０``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 
 from artery.services.inference.engine.base import Engine
+from artery.shared.served_name import served_name, step_of
 
 
 class EnginePaused(Exception):
@@ -108,8 +110,8 @@ class ServingState:
         """Every name a request may use, mapped to its adapter (None: the base model)."""
         steps = self.steps()
         latest = steps[max(steps)] if steps else None
-        names: dict[str, str | None] = {self.model: latest, f"{self.model}@0": None}
-        names.update({f"{self.model}@{step}": steps[step] for step in sorted(steps)})
+        names: dict[str, str | None] = {self.model: latest, served_name(self.model, 0): None}
+        names.update({served_name(self.model, step): steps[step] for step in sorted(steps)})
         if self.base_model is not None:
             names[self.base_model] = None
         return names
@@ -125,10 +127,7 @@ class ServingState:
             step = self._step_of(name)
             if step is None or (step != 0 and step not in steps):
                 raise ModelNotFound(name, list(self.served()))
-        return Resolved(f"{self.model}@{step}", steps.get(step))
+        return Resolved(served_name(self.model, step), steps.get(step))
 
     def _step_of(self, name: str) -> int | None:
-        base, at, step = name.rpartition("@")
-        if not at or base != self.model or not step.isdigit():
-            return None
-        return int(step)
+        return step_of(name, self.model)

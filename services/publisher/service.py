@@ -43,6 +43,7 @@ from artery.shared.consumer import ConsumerOptions, ConsumingService, DurableCon
 from artery.shared.db import ServicePool
 from artery.shared.errors import DependencyUnavailable, InvalidMessage
 from artery.shared.logs import get_logger
+from artery.shared.served_name import served_name
 from artery.shared.tracing import continue_trace, tracer
 
 log = get_logger(__name__)
@@ -54,10 +55,6 @@ _decoder = EventDecoder(CheckpointSaved)
 
 def object_name(project: str, model: str, step: int) -> str:
     return f"{project}/{model}/{step:06d}"
-
-
-def served_name(model: str, step: int) -> str:
-    return f"{model}@{step}"
 
 
 def published_event_id(saved_id: str) -> str:

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from artery.schemas import Trajectory
+from artery.shared.served_name import step_of
 
 #: Staleness histogram buckets reported one by one; staler ones are added into the last.
 HISTOGRAM_BUCKETS = 4
@@ -29,9 +30,9 @@ def sampled_step(trajectory: Trajectory, model: str) -> int | None:
     for message in trajectory.messages:
         served = message.sample.served_model if message.sample is not None else None
         if served:
-            base, at, step = served.rpartition("@")
-            if at and base == model and step.isdigit():
-                steps.append(int(step))
+            step = step_of(served, model)
+            if step is not None:
+                steps.append(step)
     if steps:
         return min(steps)
     return trajectory.initial_policy_version
