@@ -1,6 +1,6 @@
 """A chat completion's response body read back as its first choice: a JSON body, or a stream of
-server-sent events put back together (content, tool calls, logprobs, token ids) the way the
-OpenAI client does. What ``artery.auto_trajectory`` records of each call it sees."""
+server-sent events put back together (content, tool calls, logprobs, token ids and their logprobs)
+the way the OpenAI client does. What ``artery.auto_trajectory`` records of each call it sees."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ def choice_from_sse(content: bytes) -> tuple[dict[str, Any], str | None] | None:
     calls: dict[int, dict[str, Any]] = {}
     entries: list[Any] = []
     token_ids: list[int] = []
+    token_logprobs: list[float] = []
     finish_reason: str | None = None
     for line in content.decode("utf-8").splitlines():
         if not line.startswith("data:"):
@@ -51,6 +52,7 @@ def choice_from_sse(content: bytes) -> tuple[dict[str, Any], str | None] | None:
                 _merge_tool_call(calls.setdefault(call.get("index", len(calls)), {}), call)
             entries.extend((choice.get("logprobs") or {}).get("content") or [])
             token_ids.extend(choice.get("token_ids") or [])
+            token_logprobs.extend(choice.get("token_logprobs") or [])
             finish_reason = choice.get("finish_reason") or finish_reason
     if not seen or finish_reason is None:
         return None
@@ -65,6 +67,8 @@ def choice_from_sse(content: bytes) -> tuple[dict[str, Any], str | None] | None:
     }
     if token_ids:
         choice["token_ids"] = token_ids
+    if token_logprobs:
+        choice["token_logprobs"] = token_logprobs
     return choice, served
 
 
@@ -83,7 +87,8 @@ def _merge_tool_call(into: dict[str, Any], delta: dict[str, Any]) -> None:
 
 
 def as_choice(data: dict[str, Any]) -> Any:
-    """An OpenAI ``Choice``, as ART records it (``token_ids`` stays, as an extra field)."""
+    """An OpenAI ``Choice``, as ART records it (``token_ids`` and ``token_logprobs`` stay, as extra
+    fields)."""
     try:
         from openai.types.chat.chat_completion import Choice
     except ImportError:

@@ -1,9 +1,12 @@
 """From what agent code holds (OpenAI dicts, OpenAI ``Choice`` objects) to wire ``Message``s.
 
-A ``Choice`` is engine output: its logprobs become the message's ``Sample`` so the trainer uses
-exactly what was sampled. Token ids come from the choice's ``token_ids`` (Artery's inference
-service returns them) or from vLLM's ``token_id:N`` token strings; without them the message is
-still marked trainable and the trainer re-tokenises it.
+A ``Choice`` is engine output: its token ids and logprobs become the message's ``Sample`` so the
+trainer uses exactly what was sampled. Token ids come from the choice's ``token_ids`` (Artery's
+inference service returns them) or from vLLM's ``token_id:N`` token strings. Logprobs come from
+the standard ``logprobs.content`` when the client asked for them, else from Artery's
+``token_logprobs``, which its inference service sends with every choice: ART's agents never ask
+for logprobs (ART's server forces them), and their completions train all the same. Without
+either the message is still marked trainable and the trainer re-tokenises it.
 """
 
 from __future__ import annotations
@@ -46,10 +49,12 @@ def choice_to_message(choice: Any) -> Message:
         message.pop(key, None)
     content = ((data.get("logprobs") or {}).get("content")) or []
     logprobs = [float(entry["logprob"]) for entry in content]
-    token_ids = data.get("token_ids") or _extra(choice, "token_ids")
+    token_ids = _artery_field(data, choice, "token_ids")
     if token_ids is None and content:
         parsed = [_token_id(entry.get("token", "")) for entry in content]
         token_ids = parsed if all(t is not None for t in parsed) else None
+    if not logprobs:  # not asked for: Artery's own copy, sent with every choice
+        logprobs = [float(lp) for lp in _artery_field(data, choice, "token_logprobs") or []]
     sample = None
     if logprobs and token_ids is not None and len(token_ids) == len(logprobs):
         top = [
@@ -68,7 +73,7 @@ def choice_to_message(choice: Any) -> Message:
             logprobs=logprobs,
             top_logprobs=top if any(top) else None,
             finish_reason=data.get("finish_reason"),
-            served_model=_served_model(data.get("served_model") or _extra(choice, "served_model")),
+            served_model=_served_model(_artery_field(data, choice, "served_model")),
         )
     wire = msgspec.convert(message, Message)
     wire.sample = sample
@@ -83,9 +88,20 @@ def _served_model(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _extra(obj: Any, name: str) -> Any:
-    extra = getattr(obj, "model_extra", None) or {}
-    return extra.get(name)
+def _artery_field(data: dict[str, Any], choice: Any, name: str) -> Any:
+    """One of the extra fields Artery's inference adds to a choice, wherever the client kept it:
+    in the choice itself (a dict, or the OpenAI client's ``model_extra``) or, for litellm's
+    ``Choices``, in its ``provider_specific_fields``."""
+    extra = getattr(choice, "model_extra", None) or {}
+    provider = data.get("provider_specific_fields") or {}
+    for found in (
+        data.get(name),
+        extra.get(name),
+        provider.get(name) if isinstance(provider, dict) else None,
+    ):
+        if found:  # an empty list is no more than a missing one
+            return found
+    return None
 
 
 def to_message(item: Any) -> Message:

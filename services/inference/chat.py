@@ -1,8 +1,9 @@
 """From a chat request to engine input, and from engine output to OpenAI's response shapes.
 
 The prompt is rendered once, with the engine's own tokenizer and chat template, and its ids are
-returned to the client (``prompt_token_ids``) beside the sampled ids, so that training never has to
-re-tokenise text that may not round-trip.
+returned to the client (``prompt_token_ids``) beside the sampled ids and their logprobs (always,
+asked or not: ``Choice.token_logprobs``), so that training never has to re-tokenise text that may
+not round-trip.
 """
 
 from __future__ import annotations
@@ -227,6 +228,15 @@ def _finite(logprob: float) -> float:
     return logprob if math.isfinite(logprob) else MIN_LOGPROB
 
 
+def finite_logprobs(logprobs: list[float]) -> list[float]:
+    """The sampled tokens' logprobs for ``token_logprobs``, as the ``logprobs`` entries write them.
+
+    Every engine computes them whether or not the client asked (the sampled token's own logprob
+    costs one gather on logits it already has), so no request changes for a completion to be
+    trainable."""
+    return [_finite(logprob) for logprob in logprobs]
+
+
 # --------------------------------------------------------------------------- the answer
 
 
@@ -244,4 +254,5 @@ def build_choice(completion: Completion, request: ChatCompletionRequest, pieces:
         logprobs=logprobs,
         finish_reason=finish,
         token_ids=list(completion.token_ids),
+        token_logprobs=finite_logprobs(completion.logprobs),
     )

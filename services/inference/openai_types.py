@@ -7,11 +7,13 @@ extra fields (``choice.model_extra["token_ids"]``, ``response.model_extra["promp
 
 - every choice carries ``token_ids``, the ids the engine sampled (special end tokens included), so
   training uses exactly what was sampled instead of re-tokenising the text;
+- every choice carries ``token_logprobs``, each sampled token's logprob, whether or not the client
+  asked for ``logprobs`` (see ``Choice.token_logprobs``): what makes every completion trainable;
 - the response carries ``prompt_token_ids``, the rendered prompt the completion continues;
 - every logprob entry (and each of its ``top_logprobs``) carries ``token_id``.
 
-In a stream, each chunk's choice carries the ``token_ids`` of the tokens that chunk covers, and the
-first chunk carries ``prompt_token_ids``.
+In a stream, each chunk's choice carries the ``token_ids`` and ``token_logprobs`` of the tokens that
+chunk covers, and the first chunk carries ``prompt_token_ids``.
 """
 
 from __future__ import annotations
@@ -269,6 +271,14 @@ class Choice(Response, kw_only=True):
     finish_reason: FinishReason
     #: Artery: the sampled token ids of this completion.
     token_ids: list[int]
+    #: Artery: the logprob of each of ``token_ids`` under the sampling distribution, always sent.
+    #: ART's server forces ``logprobs=True`` on every request, so ART's agents never ask and its
+    #: trainer always has them; forcing the standard field here would change what every OpenAI
+    #: client sees (and make ``top_logprobs`` checks lie). An extra field beside ``token_ids``
+    #: keeps the standard shape unless asked for, while the OpenAI client keeps it in
+    #: ``choice.model_extra`` and ``artery.convert`` makes the choice's sample from it, so a
+    #: trajectory built from any completion trains on exactly what was sampled.
+    token_logprobs: list[float]
     #: Artery: ``<model>@<step>``, the policy that sampled it (kept with the choice when an agent
     #: appends it to a trajectory: the trainer measures each sample's staleness by it).
     served_model: str | None = None
@@ -317,6 +327,8 @@ class ChunkChoice(Response, kw_only=True, omit_defaults=True):
     finish_reason: FinishReason | None
     #: Artery: the ids of the tokens this chunk covers.
     token_ids: list[int] | None = None
+    #: Artery: their logprobs, always sent (as ``Choice.token_logprobs``).
+    token_logprobs: list[float] | None = None
 
 
 class ChatCompletionChunk(Response, kw_only=True, omit_defaults=True):

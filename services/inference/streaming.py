@@ -3,8 +3,9 @@
 Text is decoded incrementally and held back while it could still be the start of a stop string
 (never sent, as OpenAI does) or of ``<tool_call>``. When tools are on, content streams only up to
 the first ``<tool_call>``; the rest is parsed when the choice finishes and sent as one
-``delta.tool_calls``. Every chunk that covers tokens carries their ``token_ids`` (and their
-logprobs when asked), so a streamed answer is as trainable as a plain one.
+``delta.tool_calls``. Every chunk that covers tokens carries their ``token_ids`` and
+``token_logprobs`` (and the standard ``logprobs`` when asked), so a streamed answer is as trainable
+as a plain one, asked or not.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 import msgspec
 
-from artery.services.inference.chat import TokenPieces
+from artery.services.inference.chat import TokenPieces, finite_logprobs
 from artery.services.inference.engine.base import Engine, GenerationRequest, TokenStep
 from artery.services.inference.openai_types import (
     ApiError,
@@ -238,10 +239,16 @@ class ChunkWriter:
         logprobs: ChoiceLogprobs | None = None,
         finish_reason: FinishReason | None = None,
         token_ids: list[int] | None = None,
+        token_logprobs: list[float] | None = None,
         **extra: Any,
     ) -> bytes:
         one = ChunkChoice(
-            index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason, token_ids=token_ids
+            index=index,
+            delta=delta,
+            logprobs=logprobs,
+            finish_reason=finish_reason,
+            token_ids=token_ids,
+            token_logprobs=token_logprobs,
         )
         return self.chunk([one], **extra)
 
@@ -303,7 +310,13 @@ async def sse_events(
                 entry = pieces.entry(step.token_id, step.logprob, step.top_logprobs)
                 logprobs = ChoiceLogprobs(content=[entry])
             delta = Delta(content=content) if content else Delta()
-            yield out.choice(step.index, delta, logprobs=logprobs, token_ids=[step.token_id])
+            yield out.choice(
+                step.index,
+                delta,
+                logprobs=logprobs,
+                token_ids=[step.token_id],
+                token_logprobs=finite_logprobs([step.logprob]),
+            )
             if done:
                 reason = "stop" if state.text.stopped else step.finish_reason
                 for event in out.finish(step.index, state, reason or "stop"):
