@@ -10,8 +10,8 @@ How a call is recorded:
 - A ``POST`` to a path ending in ``/chat/completions`` answered 200: the request's ``messages``
   and ``tools`` (its JSON body) and the response's first choice. The choice becomes an OpenAI
   ``Choice`` (a dict when ``openai`` is not installed) and goes through ``artery.convert`` like
-  any choice the agent appends itself: Artery's ``token_ids`` and the logprobs make its sample,
-  so training uses exactly what was sampled (ask for ``logprobs=True``, as ART's agents do).
+  any choice the agent appends itself: Artery's ``token_ids`` and ``token_logprobs`` (sent whether
+  or not the agent asked for ``logprobs``) make its sample, so training uses exactly what was sampled.
 - A call whose messages continue a conversation already recorded (the same messages first, the
   recorded choices standing for the assistant messages the agent sent back, and the same tools)
   extends it; any other call starts another one. When the coroutine ends, the longest

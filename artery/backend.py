@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
+import logging
 import os
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
@@ -25,7 +26,7 @@ import msgspec
 import nats
 from opentelemetry import trace
 
-from artery.backend_api import TrainingFailed, TrainResult
+from artery.backend_api import TrainingFailed, TrainResult, describe_drops, dropped_sequences
 from artery.dev import train_config_fields
 from artery.schemas import (
     LoraSpec,
@@ -56,7 +57,7 @@ from artery.shared.tracing import (
     tracer,
 )
 from artery.shared.wakeup import woken_by
-from artery.trajectories import Trajectory, TrajectoryGroup, require_rewards
+from artery.trajectories import Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:
     from artery.model import Model
@@ -69,6 +70,41 @@ _tracer = tracer("artery.sdk")
 _RECHECK_S = 2.0
 #: Set by ``train()``: where ``publish`` notes the span of each submission.
 _submissions: contextvars.ContextVar[list | None] = contextvars.ContextVar("artery_submissions", default=None)
+#: Where a step that trained nothing (or lost sequences) is reported: a warning, which Python
+#: prints to stderr when the program configured no logging.
+log = logging.getLogger(__name__)
+
+
+def report_step(model: Model, result: TrainResult) -> None:
+    """Say it when a step trained nothing, or dropped trainable sequences.
+
+    The step counter advances all the same, and a checkpoint is made of the unchanged adapter: ART's
+    ``LocalBackend`` does so since its step-skipping change (``src/art/test/test_step_skipping.py``:
+    0 -> 1 trained -> 2 skipped -> 3 trained, checkpoint 0002 being 0001's weights), so that
+    ``get_step()`` counts the calls to ``train()`` and a program's own step arithmetic holds. What
+    ART only prints ("Skipping tuning as there is no suitable data"), Artery also says in the result
+    (``trained``, ``skip_reason``)."""
+    name = f"{model.project}/{model.name}"
+    if not result.trained:
+        log.warning(
+            "artery: step %d of %s trained nothing (tokens trained: %d): %s. The step advanced all "
+            "the same (as ART's does); the adapter is unchanged.",
+            result.step,
+            name,
+            int(result.metrics.get("tokens_trained", 0)),
+            result.skip_reason,
+        )
+        return
+    dropped = dropped_sequences(result.metrics)
+    if dropped:
+        log.warning(
+            "artery: step %d of %s trained %d tokens, but dropped %d trainable sequences: %s",
+            result.step,
+            name,
+            int(result.metrics.get("tokens_trained", 0)),
+            sum(dropped.values()),
+            describe_drops(dropped),
+        )
 
 
 class Backend:
@@ -210,8 +246,6 @@ class Backend:
         ``TrainConfig`` fields (``learning_rate=``, ``loss_fn=``...) or ART's ``backend.train``
         keywords (``art.dev.TrainConfig`` keys).
         """
-        groups = list(groups)
-        require_rewards(groups)  # a reward never given is refused, not trained as 0.0
         # ART's keywords (``ppo=``, ``normalize_advantages=``, ``importance_sampling_level=``...) are
         # translated or refused by name (``artery.dev``), never passed through unread.
         fields = train_config_fields(config_fields)
@@ -292,7 +326,9 @@ class Backend:
                 raise TrainingFailed(outcome.error, retriable=outcome.retriable)
             await self._wait_until_served(model, outcome.step, wait_for_serving_s)
             span.set_attribute("artery.step", outcome.step)
-            return TrainResult(step=outcome.step, metrics=dict(outcome.metrics), trace_id=current_trace_id())
+            result = TrainResult.of(outcome.step, dict(outcome.metrics), current_trace_id())
+            report_step(model, result)
+            return result
 
     async def _await_outcome(self, sub, request_id: str, timeout_s: float | None):
         loop = asyncio.get_running_loop()
@@ -339,15 +375,9 @@ class Backend:
                 await wake.wait(min(remaining, _RECHECK_S))
 
     async def delete_checkpoints(
-        self,
-        model: Model,
-        *,
-        best_checkpoint_metric: str | None = "reward_mean",
-        keep_latest: int = 1,
-        keep_steps: Iterable[int] = (),
+        self, model: Model, *, best_checkpoint_metric: str | None = "reward_mean", keep_latest: int = 1
     ) -> RetentionApplied:
-        """Keep the latest step(s), the best by the metric and ``keep_steps``; the publisher
-        deletes the rest."""
+        """Keep the latest step(s) and the best by the metric; the publisher deletes the rest."""
         nc = await self._connect()
         request = RetentionRequested(
             id=new_event_id(),
@@ -355,7 +385,6 @@ class Backend:
             model=model.name,
             keep_latest=keep_latest,
             best_metric=best_checkpoint_metric,
-            keep_steps=sorted(set(keep_steps)),
         )
         reply = await nc.request(
             subjects.retention_request(model.project, model.name),
