@@ -57,7 +57,7 @@ from artery.shared.tracing import (
     tracer,
 )
 from artery.shared.wakeup import woken_by
-from artery.trajectories import Trajectory, TrajectoryGroup
+from artery.trajectories import Trajectory, TrajectoryGroup, require_rewards
 
 if TYPE_CHECKING:
     from artery.model import Model
@@ -246,6 +246,8 @@ class Backend:
         ``TrainConfig`` fields (``learning_rate=``, ``loss_fn=``...) or ART's ``backend.train``
         keywords (``art.dev.TrainConfig`` keys).
         """
+        groups = list(groups)
+        require_rewards(groups)  # a reward never given is refused, not trained as 0.0
         # ART's keywords (``ppo=``, ``normalize_advantages=``, ``importance_sampling_level=``...) are
         # translated or refused by name (``artery.dev``), never passed through unread.
         fields = train_config_fields(config_fields)
@@ -375,9 +377,15 @@ class Backend:
                 await wake.wait(min(remaining, _RECHECK_S))
 
     async def delete_checkpoints(
-        self, model: Model, *, best_checkpoint_metric: str | None = "reward_mean", keep_latest: int = 1
+        self,
+        model: Model,
+        *,
+        best_checkpoint_metric: str | None = "reward_mean",
+        keep_latest: int = 1,
+        keep_steps: Iterable[int] = (),
     ) -> RetentionApplied:
-        """Keep the latest step(s) and the best by the metric; the publisher deletes the rest."""
+        """Keep the latest step(s), the best by the metric and ``keep_steps``; the publisher
+        deletes the rest."""
         nc = await self._connect()
         request = RetentionRequested(
             id=new_event_id(),
@@ -385,6 +393,7 @@ class Backend:
             model=model.name,
             keep_latest=keep_latest,
             best_metric=best_checkpoint_metric,
+            keep_steps=sorted(set(keep_steps)),
         )
         reply = await nc.request(
             subjects.retention_request(model.project, model.name),
