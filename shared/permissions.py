@@ -118,7 +118,7 @@ def _provisioned() -> list[str]:
 
 
 def _all_stream_info() -> list[str]:
-    """Read-only: what ``provision_if_missing`` checks."""
+    """Read-only, for services (``provision_if_missing`` needs only ``STREAM.NAMES``)."""
     return [f"{JS_API}.STREAM.INFO.{name}" for name in _provisioned()]
 
 
@@ -296,7 +296,7 @@ def permissions(role: str, user: str, *, project: str | None = None) -> Permissi
         )
     if project is not None:
         raise ValueError("only agent users have a project")
-    publish = [*_all_stream_info(), *(_durable(role) if role in DURABLES else [])]
+    publish = [f"{JS_API}.STREAM.NAMES", *_all_stream_info(), *(_durable(role) if role in DURABLES else [])]
     subscribe: list[str] = [inbox, *_health(role)]
     responses = True  # readiness answers; other requests only where subscribed below
     if role == "collector":
