@@ -186,17 +186,20 @@ def test_the_budgets_are_checked_from_the_trajectories_alone():
 
 def test_the_memory_estimate_grows_with_the_micro_batch_and_refuses_past_its_limit():
     shape = ModelShape(layers=30, hidden=576, intermediate=1536, vocab=49152, bytes_per_value=4)
-    assert shape.micro_batch_bytes(8, 250) == 2 * shape.micro_batch_bytes(4, 250)
-    assert 3e9 < shape.micro_batch_bytes(8, 250) < 4e9  # SmolLM2's demo micro-batch
+    assert shape.micro_batch_bytes(8, 250, 20) == 2 * shape.micro_batch_bytes(4, 250, 20)
+    assert 2.5e9 < shape.micro_batch_bytes(8, 250, 20) < 3.5e9  # SmolLM2's demo micro-batch
+    # Logits only from the first trained position on: a long prompt's positions cost no logits.
+    assert shape.micro_batch_bytes(8, 250) - shape.micro_batch_bytes(8, 250, 20) == 8 * 230 * 2 * 49152 * 4
     budget = StepBudget(TrainerSettings(), memory_limit=2**30)
 
     class Seq(msgspec.Struct):
         input_ids: list[int]
+        assistant_mask: list[int]
         group_index: int = 0
 
-    budget.check_sequences([Seq([1] * 100)], 0, shape, 8)  # 0.2 GB: within
-    with pytest.raises(BudgetExceeded, match="max_step_memory_mib"):
-        budget.check_sequences([Seq([1] * 300)] * 8, 0, shape, 8)
+    budget.check_sequences([Seq([1] * 100, [0] * 90 + [1] * 10)], 0, shape, 8)  # 0.15 GB: within
+    with pytest.raises(BudgetExceeded, match=r"max_step_memory_mib exceeded: estimated MiB .* > 1,024"):
+        budget.check_sequences([Seq([1] * 300, [0] * 280 + [1] * 20)] * 8, 0, shape, 8)
 
 
 # --------------------------------------------------------------------------- deterministic errors

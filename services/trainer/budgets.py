@@ -109,15 +109,18 @@ class ModelShape:
             bytes_per_value=max(dtype.itemsize, 2),
         )
 
-    def micro_batch_bytes(self, rows: int, length: int) -> int:
+    def micro_batch_bytes(self, rows: int, length: int, logit_positions: int | None = None) -> int:
         """An estimate of what one forward/backward over ``rows`` x ``length`` tokens keeps: per
         token and layer, the decoder's saved activations (about 10 hidden-sized and 4
         intermediate-sized values for a pre-norm attention + gated MLP layer, memory-efficient
-        attention: no length-squared scores); per token, the logits and their gradient (as if every
-        position were trained). Meant to err high: SmolLM2-135M in float32 comes to 1.8 MB a token,
-        3.6 GB for a micro-batch of 8 x 250 tokens."""
-        per_token = self.layers * (10 * self.hidden + 4 * self.intermediate) + 2 * self.vocab
-        return rows * length * per_token * self.bytes_per_value
+        attention: no length-squared scores); per logit position (from the first trained one on,
+        ``logprobs.next_token_logprobs``; all by default), the logits and their gradient. Meant to
+        err high: SmolLM2-135M in float32 comes to 1.4 MB a token, 3 GB for a micro-batch of
+        8 x 250 tokens training their last 20 (``memory.py``: 2.4 GB stayed resident after such a
+        step)."""
+        body = self.layers * (10 * self.hidden + 4 * self.intermediate)
+        kept = length if logit_positions is None else logit_positions
+        return rows * (length * body + kept * 2 * self.vocab) * self.bytes_per_value
 
 
 def memory_limit_bytes(settings: TrainerSettings, device: str) -> int:
@@ -167,7 +170,9 @@ class StepBudget:
         largest = 0
         for start in range(0, len(sequences), micro_batch_size):
             micro = sequences[start : start + micro_batch_size]
-            largest = max(largest, shape.micro_batch_bytes(len(micro), max(len(q.input_ids) for q in micro)))
+            length = max(len(q.input_ids) for q in micro)
+            first_trained = min(_first_trained(q.assistant_mask) for q in micro)
+            largest = max(largest, shape.micro_batch_bytes(len(micro), length, length - first_trained))
         if largest > self.memory_limit:
             raise BudgetExceeded(
                 "max_step_memory_mib",
@@ -175,3 +180,8 @@ class StepBudget:
                 self.memory_limit // MIB,
                 "estimated MiB of the largest micro-batch",
             )
+
+
+def _first_trained(mask: Sequence[int]) -> int:
+    """The position of the first trained token (its logits start one before: harmless to ignore)."""
+    return next((i for i, bit in enumerate(mask) if bit), 0)
