@@ -175,6 +175,21 @@ async def test_each_budget_names_itself_and_its_figures(nc, js, db, database_url
         assert not any((tmp_path / budget / "ckpt" / PROJECT / MODEL).glob("0*")), "a refused step was saved"
 
 
+async def test_groups_too_large_to_load_are_refused_before_they_are_read(nc, js, db, database_url, tmp_path):
+    """Their stored size is asked of PostgreSQL first: 2 MB of trajectories against a 1 MiB budget."""
+    await register_trainable(js, PROJECT, MODEL, TINY)
+    big = text_group(0)
+    for trajectory in big.trajectories:
+        trajectory.messages[0].content = "x" * 500_000
+    await write_groups(db, [StoredGroup.of(big, None)])
+    settings = settings_for(tmp_path, max_request_mib=1)
+    async with Answers(js, PROJECT, MODEL) as answers, running_trainer(nc, database_url, settings):
+        refused = await request(js, PROJECT, MODEL, [big.id])
+        failed = await answers.of(refused.id)
+    assert isinstance(failed, TrainFailed) and not failed.retriable
+    assert "max_request_mib exceeded: MiB of trajectories 2 > 1" in failed.error, failed.error
+
+
 def test_the_budgets_are_checked_from_the_trajectories_alone():
     """The checks before tokenizing need only the stored trajectories (no model, no tensor)."""
     settings = TrainerSettings(max_sampled_turns=3)

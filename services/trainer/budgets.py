@@ -5,6 +5,7 @@ renders a prompt per turn, and each turn that does not continue the tokens befor
 sequence of its own, up to ``max_seq_len`` long; their micro-batches once grew a trainer past what
 the machine had. So a request is measured twice, and refused at the first budget it exceeds:
 
+- before loading the groups, the size of their stored trajectories;
 - before tokenizing, from the stored trajectories alone: sampled turns per trajectory, and the
   conversations of each group and of the request (each gives at least one sequence when trained);
 - after tokenizing (lists of ints, still no tensor): the sequences of each group and of the
@@ -74,6 +75,15 @@ def check_trajectories(settings: TrainerSettings, groups: Sequence[Sequence[Traj
     if total > settings.max_request_sequences:
         raise BudgetExceeded(
             "max_request_sequences", total, settings.max_request_sequences, "conversations of the request"
+        )
+
+
+def check_stored_bytes(settings: TrainerSettings, size: int) -> None:
+    """Before decoding: the groups' stored JSON (decoded objects take several times as much)."""
+    limit = settings.max_request_mib * MIB
+    if size > limit:
+        raise BudgetExceeded(
+            "max_request_mib", -(-size // MIB), settings.max_request_mib, "MiB of trajectories"
         )
 
 

@@ -53,6 +53,7 @@ from artery.services.trainer.budgets import (
     BudgetExceeded,
     StepBudget,
     check_group_count,
+    check_stored_bytes,
     check_trajectories,
     memory_limit_bytes,
 )
@@ -66,7 +67,13 @@ from artery.services.trainer.schedule import (
 )
 from artery.services.trainer.settings import TrainerSettings
 from artery.services.trainer.staleness import drop_stale
-from artery.services.trainer.store import completed_step, load_groups, record_step, stored_group_ids
+from artery.services.trainer.store import (
+    completed_step,
+    load_groups,
+    record_step,
+    stored_bytes,
+    stored_group_ids,
+)
 from artery.shared import subjects
 from artery.shared.bus import CONTENT_TYPE
 from artery.shared.codec import EventDecoder
@@ -319,6 +326,9 @@ class Trainer(ConsumingService):
                     f"{len(missing)} of {len(set(request.group_ids))} groups were never stored"
                     f" (waited {self.settings.group_wait_s:g} s): {sorted(missing)[:5]}"
                 )
+            check_stored_bytes(
+                self.settings, await stored_bytes(conn, request.project, request.model, request.group_ids)
+            )
             return await load_groups(conn, request.project, request.model, request.group_ids)
 
     async def _train(self, request: TrainRequest, record: ModelRecord, groups: list) -> TrainCompleted:

@@ -41,6 +41,10 @@ class TrainerSettings(msgspec.Struct, kw_only=True, frozen=True):
     ] = 0
     # What one request may cost, checked before a tensor is made: a request over any of these
     # fails at once with ``train.failed`` (not retriable) naming the budget and the figures.
+    max_request_mib: Annotated[
+        int,
+        doc("MiB of stored trajectories (their JSON) one request may name, all its groups together", ge=1),
+    ] = 64
     max_sampled_turns: Annotated[
         int, doc("sampled assistant turns one trajectory may hold (its additional histories included)", ge=1)
     ] = 64

@@ -31,6 +31,18 @@ async def stored_group_ids(
     return {r["id"] for r in rows}
 
 
+async def stored_bytes(conn: asyncpg.Connection, project: str, model: str, group_ids: Sequence[str]) -> int:
+    """The size of the groups' stored trajectories (their JSON text), read before loading them."""
+    total = await conn.fetchval(
+        "SELECT coalesce(sum(octet_length(body::text)), 0) FROM trajectories"
+        " WHERE project = $2 AND model = $3 AND group_id = ANY($1::text[])",
+        list(group_ids),
+        project,
+        model,
+    )
+    return int(total)
+
+
 async def load_groups(
     conn: asyncpg.Connection, project: str, model: str, group_ids: Sequence[str]
 ) -> list[list[Trajectory]]:
