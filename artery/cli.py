@@ -372,12 +372,13 @@ def cmd_config(_: argparse.Namespace) -> int:
     from artery.services.publisher import settings as publisher
     from artery.services.reward import settings as reward
     from artery.services.trainer import settings as trainer
-    from artery.shared import auth
+    from artery.shared import auth, http
     from artery.shared.settings import CommonSettings, describe
 
     for title, cls, prefix in (
         ("every service and the SDK", CommonSettings, "ARTERY_"),
         ("NATS credentials and TLS (every service and the SDK)", auth.NatsAuthSettings, auth.PREFIX),
+        ("HTTP servers (inference, console)", http.HttpLimits, http.PREFIX),
         ("collector", collector.CollectorSettings, collector.PREFIX),
         ("reward", reward.RewardSettings, reward.PREFIX),
         ("inference", inference.InferenceSettings, inference.PREFIX),

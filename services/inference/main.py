@@ -1,7 +1,8 @@
 """Entry point: ``python -m artery.services.inference``.
 
-Wires one replica together: the engine, the HTTP API (uvicorn), the pause gate with its control
-subscription, the replica registry heartbeat and the checkpoint watcher.
+Wires one replica together: the engine, the HTTP API (uvicorn, with ``shared.http``'s limits on
+slow clients and connections), the pause gate with its control subscription, the replica registry
+heartbeat and the checkpoint watcher.
 """
 
 from __future__ import annotations
@@ -9,8 +10,6 @@ from __future__ import annotations
 import asyncio
 import tempfile
 from pathlib import Path
-
-import uvicorn
 
 from artery.services.inference.api import create_app
 from artery.services.inference.checkpoints import CheckpointWatcher
@@ -20,6 +19,7 @@ from artery.services.inference.serving import ServingState
 from artery.services.inference.settings import PREFIX, InferenceSettings
 from artery.shared import bus
 from artery.shared.auth import secret_value
+from artery.shared.http import http_limits, serve_http
 from artery.shared.logs import get_logger
 from artery.shared.models import limit_torch_threads, resolve_base_model
 from artery.shared.runtime import connect_service, run_service
@@ -42,20 +42,9 @@ def make_engine(settings: InferenceSettings):
     )
 
 
-async def serve_http(app, host: str, port: int) -> tuple[uvicorn.Server, asyncio.Task, int]:
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
-    server.install_signal_handlers = lambda: None  # our runtime owns SIGTERM/SIGINT
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        if task.done():
-            task.result()  # raises the reason it could not start (port taken, ...)
-        await asyncio.sleep(0.02)
-    bound_port = server.servers[0].sockets[0].getsockname()[1]
-    return server, task, bound_port
-
-
 async def start(common: CommonSettings, stop: asyncio.Event) -> None:
     settings = load(InferenceSettings, PREFIX)
+    limits = http_limits()  # validated before the engine loads
     limit_torch_threads(settings.torch_threads)
     engine = make_engine(settings)
     await engine.start()
@@ -70,7 +59,7 @@ async def start(common: CommonSettings, stop: asyncio.Event) -> None:
         base_model=settings.base_model,  # also served by its own name, as the step-0 policy
     )
     server, server_task, port = await serve_http(
-        create_app(state, max_body_bytes=settings.max_body_bytes), settings.host, settings.port
+        create_app(state, max_body_bytes=settings.max_body_bytes), settings.host, settings.port, limits
     )
     url = settings.public_url or f"http://{settings.host}:{port}"
 
