@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP API of the inference service, over any ``Engine``.
 
 ``POST /v1/chat/completions`` (plain or streamed), ``GET /v1/models``, ``GET /health`` (serving
-state: paused, lagging), ``GET /healthz`` and ``GET /readyz`` (``shared.health``). Bodies are
+state: paused, lagging), ``GET /healthz`` and ``GET /readyz`` (``shared.health``). With an API key
+set, ``/v1`` needs it, and ``/health`` answers a probe without it by its status code and
+``status`` alone: which adapters are served, and how far behind, is told to key holders only. Bodies are
 decoded and encoded with msgspec; every error has OpenAI's shape, ``{"error": {message, type, param,
 code}}``, with the status OpenAI would use (400, 401, 404, 413) plus 503 ``engine_paused`` when the
 pause gate gave up waiting, and 500 ``engine_error`` when the engine failed.
@@ -85,21 +87,19 @@ def create_app(state: ServingState, *, max_body_bytes: int = DEFAULT_MAX_BODY_BY
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(_authorize)])
 
     @app.get("/health")
-    async def health() -> Response:
+    async def health(http: Request) -> Response:
+        detailed = _has_key(http)
         lag = state.checkpoint_lag()
         if lag is not None:  # unhealthy: behind training for longer than it may be
-            return _json(
-                {
-                    "status": "lagging",
-                    "newest_step": lag.newest_step,
-                    "served_step": lag.served_step,
-                    "behind_s": round(lag.behind_s, 3),
-                    "adapters": state.engine.adapters(),
-                },
-                status=503,
-            )
+            details = {
+                "newest_step": lag.newest_step,
+                "served_step": lag.served_step,
+                "behind_s": round(lag.behind_s, 3),
+                "adapters": state.engine.adapters(),
+            }
+            return _json({"status": "lagging", **(details if detailed else {})}, status=503)
         status = "paused" if state.is_paused() else "ok"
-        return _json({"status": status, "adapters": state.engine.adapters()})
+        return _json({"status": status, **({"adapters": state.engine.adapters()} if detailed else {})})
 
     @app.get("/healthz")
     async def healthz() -> Response:
@@ -322,6 +322,15 @@ def _translate_errors() -> Iterator[None]:
         raise ApiError(
             500, f"The engine failed: {type(exc).__name__}: {exc}", type="server_error", code="engine_error"
         ) from None
+
+
+def _has_key(http: Request) -> bool:
+    """Whether the request may see more than a probe: no key is set, or it carries the key."""
+    try:
+        _authorize(http)
+    except ApiError:
+        return False
+    return True
 
 
 def _authorize(http: Request) -> None:
