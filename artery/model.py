@@ -375,6 +375,8 @@ class TrainableModel(Model):
             applied = await backend.delete_checkpoints(
                 self, best_checkpoint_metric=None, keep_latest=keep_latest, keep_steps=[best]
             )
+            if best not in applied.kept:  # Artery's publisher retains on its own after each step
+                print(f"best step {best} was deleted already (ARTERY_PUBLISHER_KEEP_LATEST, _BEST_METRIC)")
             return _with_best(applied, best)
         applied = await backend.delete_checkpoints(
             self, best_checkpoint_metric=metric or "reward_mean", keep_latest=keep_latest

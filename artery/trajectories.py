@@ -39,14 +39,15 @@ def require_rewards(groups: Iterable[TrajectoryGroup]) -> None:
     """Refuse groups holding a trajectory whose reward was never given, unless the reward service
     gives them theirs (RULER without ``combine_with_reward``)."""
     for n, group in enumerate(groups):
-        if group.reward is not None and not getattr(group.reward, "combine_with_reward", False):
+        judge = getattr(group.reward, "ruler", None)
+        if judge is not None and not judge.combine_with_reward:
             continue
         missing = [i for i, t in enumerate(group.trajectories) if isinstance(t.reward, NoReward)]
         if missing:
             raise ValueError(
                 f"group {n}: trajectories {missing} have no reward. Set `trajectory.reward` (ART 0.3"
                 " requires one; Artery never takes a missing reward as 0.0), or have the group scored"
-                " (`art.rewards.ruler_score_group`, or `TrajectoryGroup(..., reward=art.RulerSpec(...))`)"
+                " (`art.rewards.ruler_score_group`, or `reward=art.RewardSpec(ruler=art.RulerSpec(...))`)"
             )
 
 
