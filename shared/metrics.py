@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import os
 import socket
+import sys
 import threading
 import time
 from socketserver import ThreadingMixIn
@@ -119,11 +120,42 @@ def count_generated(tokens: int) -> None:
         _TOKEN_RATE.add(tokens)
 
 
+#: A scraper or probe that connects must send its request within this many seconds (a socket
+#: timeout per read), and at most ``_MAX_CONNECTIONS`` are served at once: each holds a thread,
+#: and a slow client would otherwise hold it for ever (``ARTERY_HTTP_*`` governs the uvicorn servers).
+_READ_TIMEOUT_S = 10.0
+_MAX_CONNECTIONS = 64
+
+
 class _Server(ThreadingMixIn, WSGIServer):
     daemon_threads = True  # a scrape in progress never holds the process up at exit
+    request_queue_size = 128  # socketserver's 5 left connections past it waiting in the kernel
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._slots = threading.BoundedSemaphore(_MAX_CONNECTIONS)
+
+    def process_request(self, request, client_address) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)  # over the cap: closed at once, nothing read
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request, client_address) -> None:
+        if isinstance(sys.exc_info()[1], TimeoutError | ConnectionError):
+            return  # a client too slow, or gone: nothing to report
+        super().handle_error(request, client_address)
 
 
 class _Quiet(WSGIRequestHandler):
+    timeout = _READ_TIMEOUT_S
+
     def log_message(self, format, *args) -> None:
         pass  # one access line per scrape would drown the service's own log
 
