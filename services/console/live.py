@@ -18,7 +18,7 @@ from nats.js import JetStreamContext
 
 from artery.schemas import DeadLetter, ModelRecord
 from artery.shared import subjects
-from artery.shared.codec import CONTENT_TYPE, EventDecoder
+from artery.shared.codec import CONTENT_TYPE, EventDecoder, json_nesting_exceeds
 from artery.shared.control_client import registered_replicas
 from artery.shared.errors import InvalidMessage
 from artery.shared.kv import latest_values
@@ -100,8 +100,10 @@ def _summary(kind: str, subject: str, data: bytes) -> dict:
     step and metrics (so the curve gains the point without asking again)."""
     out: dict = {"subject": subject}
     try:
-        body = json.loads(data) if data else {}
-    except (ValueError, UnicodeDecodeError):
+        # Whatever an agent published passes here: nesting past the limit is not parsed (json
+        # recurses once per level), and is shown by its subject alone like any other non-event.
+        body = json.loads(data) if data and not json_nesting_exceeds(data) else {}
+    except (ValueError, UnicodeDecodeError, RecursionError):
         body = {}  # msgpack, or not an event: the subject says enough
     if isinstance(body, dict):
         for key in ("event", "project", "model", "step", "metrics", "reason", "kind", "service", "error"):
