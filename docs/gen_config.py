@@ -59,12 +59,13 @@ ELSEWHERE = (
 
 def sections() -> list[tuple[str, type[msgspec.Struct], str]]:
     """(title, struct, prefix): the common settings, then every service's, found on disk."""
-    from artery.shared import auth
+    from artery.shared import auth, http
     from artery.shared.settings import CommonSettings
 
     found = [
         ("Every service and the SDK", CommonSettings, "ARTERY_"),
         ("NATS credentials and TLS (every service and the SDK)", auth.NatsAuthSettings, auth.PREFIX),
+        ("HTTP servers (inference, console)", http.HttpLimits, http.PREFIX),
     ]
     for path in sorted((ROOT / "services").glob("*/settings.py")):
         module = importlib.import_module(f"artery.services.{path.parent.name}.settings")
