@@ -9,6 +9,9 @@ all of them run the same processes the same way. State lives under one home dire
 per project (``shared.permissions``): passwords under ``secrets/`` (mode 0600, kept across
 restarts), streams provisioned as ``admin``, each service connected as its own user and an agent
 as its project's (``agent_env``). One service's process is ``artery.service_process``.
+
+Every process of a stack lives no longer than the process that started it (``shared.lifeline``):
+a stack kept on purpose is one whose ``artery up`` keeps running.
 """
 
 from __future__ import annotations
@@ -347,8 +350,13 @@ class Stack:
         return self
 
     def stop(self) -> None:
-        """Services first (they drain), then the servers they need."""
-        for process in reversed(list(self.processes.values())):
+        """Services first (they drain), then the servers they need. The services are asked all at
+        once (none needs another to stop), so a stack stops in the time of its slowest service:
+        a program's end waits for it (``LocalBackend``)."""
+        processes = list(reversed(self.processes.values()))
+        for process in processes:
+            process.signal(signal.SIGTERM)
+        for process in processes:
             process.stop()
         if self.postgres is not None:
             self.postgres.stop()
