@@ -7,6 +7,10 @@ and its filter is part of the subject, ``$JS.API.CONSUMER.CREATE.<stream>.<name>
 server refuses a body whose filter differs, so a permission on
 ``...CREATE.KV_<bucket>.*.$KV.<bucket>.<project>.>`` lets a user read its own project's keys
 only (``shared.permissions``, proven in ``tests/test_security.py``).
+
+Services only: the name token of that subject is free, so whoever holds it may create consumers
+without end and rewrite one by name. Agents hold no consumer permission at all; the publisher
+lists their replicas for them (``registry.project_replicas``).
 """
 
 from __future__ import annotations

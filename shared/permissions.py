@@ -18,19 +18,27 @@ What JetStream needs, found against a real nats-server (``tests/test_security.py
   but takes a ``name``, so whoever may create one on a stream may also change the settings of an
   existing consumer of that stream. Nobody holds this on a stream with a durable consumer:
   inference follows checkpoints by subscribing and reads the last one by direct get;
-- KV: ``$JS.API.STREAM.INFO.KV_<bucket>``; gets through ``$JS.API.DIRECT.GET.KV_<bucket>.<key
+- KV: ``$JS.API.STREAM.INFO.KV_<bucket>`` to open a bucket (agents open the models bucket
+  without it, ``registry.models_kv``); gets through ``$JS.API.DIRECT.GET.KV_<bucket>.<key
   subject>`` (the models bucket allows direct gets), so an agent reads its own project's records
   only; listing keys (replicas) through a consumer whose filter is in the create subject
-  (``shared.kv``), scoped the same way; writes on ``$KV.<bucket>.<key>``;
+  (``shared.kv``); writes on ``$KV.<bucket>.<key>``;
 - object store: ``$JS.API.STREAM.INFO|MSG.GET.OBJ_<bucket>`` and an ordered consumer to read;
   chunks on ``$O.<bucket>.C.>``, metadata on ``$O.<bucket>.M.>`` and
   ``$JS.API.STREAM.PURGE.OBJ_<bucket>`` to write or delete.
 
+Agents get exactly what the SDK sends, each scoped to their project: their events, their
+requests to the publisher (register a model, list its replicas, apply retention),
+``STREAM.NAMES`` and direct gets of their own model records. No ``$KV.``/``$O.`` publish (those
+streams honour ``Nats-Rollup``, which permissions cannot filter), no ``STREAM.INFO`` (its
+``subjects_filter`` lists every tenant's subjects and counts), no consumer (nothing to exhaust
+or hijack by name): ``tests/test_tenant_isolation.py`` tries each as a hostile agent.
+
 Only ``admin`` may create or change streams, buckets and consumers of others; a service checks
-that they exist (``provision_if_missing``) instead of creating them. ``admin`` is also the
-operator's credential for the console's two actions: re-publishing a dead letter onto the subject
-it came from (the subjects the durable consumers read) and resuming a stuck replica (resume, never
-pause). The console itself runs as ``console``: it reads, and publishes nothing.
+that they exist (``provision_if_missing``, by ``STREAM.NAMES``) instead of creating them.
+``admin`` is also the operator's credential for the console's two actions: re-publishing a dead
+letter onto the subject it came from (the subjects the durable consumers read) and resuming a
+stuck replica (resume, never pause). The console itself runs as ``console``: it reads, and publishes nothing.
 
 Every service role answers NATS readiness requests (``shared.health``: NATS's service protocol,
 ``$SRV.PING|INFO|STATS``) for its own service name only; ``admin`` may ask them.
