@@ -58,6 +58,7 @@ from artery.shared.tracing import (
 )
 from artery.shared.wakeup import woken_by
 from artery.trajectories import Trajectory, TrajectoryGroup, require_rewards
+from artery.utils.model_files import jsonable
 
 if TYPE_CHECKING:
     from artery.model import Model
@@ -158,7 +159,7 @@ class Backend:
             name=model.name,
             base_model=getattr(model, "base_model", None),
             trainable=model.trainable,
-            config=model.config or {},
+            config=jsonable(model.config) or {},  # ART's configs are often pydantic models
             registered_at=utcnow(),
             lora=msgspec.convert(lora, LoraSpec) if lora is not None else None,
             chat_template_kwargs=dict(getattr(model, "chat_template_kwargs", {}) or {}),

@@ -84,12 +84,13 @@ class Model(ModelFiles):
 
     def model_dump(self, *, mode: str = "python", exclude_none: bool = False) -> dict[str, Any]:
         """The model's fields as a dict (ART's ``Model`` is a pydantic model)."""
+        config = copy.deepcopy(self.config)
         data = {
             "name": self.name,
             "project": self.project,
             "entity": self.entity,
             "id": self.id,
-            "config": jsonable(self.config) if mode == "json" else self.config,
+            "config": self.config.model_dump(mode=mode) if hasattr(self.config, "model_dump") else config,
             "inference_api_key": self.inference_api_key,
             "inference_base_url": self.inference_base_url,
             "inference_model_name": self.inference_model_name,

@@ -231,6 +231,18 @@ def test_pydantic_methods_on_models_and_trajectories():
     assert copy.model_dump()["name"] == "b" and copy.model_dump()["base_model"] == TINY
     assert json.loads(model.model_dump_json())["config"] == {"turns": [1, 2]}
     assert model.model_copy(update={"name": "c"}).name == "c"
+    import pydantic
+
+    class Policy(pydantic.BaseModel):  # ART's art-e example: a pydantic config, copied per run
+        max_turns: int = 10
+
+    agent = art.TrainableModel(name="e", project="surface", base_model=TINY, config=Policy())
+    longer = agent.model_copy(deep=True)
+    longer.config.max_turns = 30
+    assert agent.config.max_turns == 10 and longer.model_dump()["config"] == {"max_turns": 30}
+    from artery.utils.model_files import jsonable
+
+    assert jsonable(longer.config) == {"max_turns": 30}  # what the registry record holds
 
     from openai.types.chat.chat_completion import Choice
 
