@@ -200,3 +200,31 @@ async def test_the_embedded_servers_start_under_a_directory_too_deep_for_a_unix_
     finally:
         stack.stop()
     assert not any(home.joinpath("postgres").glob(".s.PGSQL.*"))
+
+
+HOOKED_PROGRAM = textwrap.dedent(
+    """
+    import signal, sys, time
+
+    from artery.shared import lifeline
+
+    caught = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: caught.append(signum))  # the program's own
+    lifeline.at_exit(lambda: print("hook ran", flush=True))
+    print("armed", flush=True)
+    while not caught:
+        time.sleep(0.01)
+    print("handled by the program, still running", flush=True)
+    """
+)
+
+
+def test_a_signal_handler_the_program_set_is_kept_and_the_hooks_run_when_it_ends():
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOOKED_PROGRAM], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert proc.stdout.readline() == b"armed\n"
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=END_TIMEOUT_S)
+    assert proc.returncode == 0, err.decode()
+    assert out.decode().splitlines() == ["handled by the program, still running", "hook ran"]
