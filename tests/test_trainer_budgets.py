@@ -197,6 +197,16 @@ def test_the_budgets_are_checked_from_the_trajectories_alone():
     check_trajectories(settings, [group])  # at the budget: accepted
     with pytest.raises(BudgetExceeded, match=r"group 1 trajectory 0: sampled turns 4 > 3"):
         check_trajectories(settings, [group, sampled_turns_group("p", "m", turns=4).trajectories])
+    # 20 turns after 60 KB questions each: every turn's prompt renders all before it (~12 MiB).
+    long = sampled_turns_group("p", "m", turns=20, size=1).trajectories
+    for message in long[0].messages:
+        if message.role == "user":
+            message.content = "q" * 60_000
+    check_trajectories(TrainerSettings(max_rendered_mib=13), [long])
+    with pytest.raises(
+        BudgetExceeded, match=r"max_rendered_mib exceeded: MiB the chat template renders 13 > 12"
+    ):
+        check_trajectories(TrainerSettings(max_rendered_mib=12), [long])
 
 
 def test_the_memory_estimate_grows_with_the_micro_batch_and_refuses_past_its_limit():

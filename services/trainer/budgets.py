@@ -6,8 +6,9 @@ sequence of its own, up to ``max_seq_len`` long; their micro-batches once grew a
 the machine had. So a request is measured twice, and refused at the first budget it exceeds:
 
 - before loading the groups, the size of their stored trajectories;
-- before tokenizing, from the stored trajectories alone: sampled turns per trajectory, and the
-  conversations of each group and of the request (each gives at least one sequence when trained);
+- before tokenizing, from the stored trajectories alone: sampled turns per trajectory, the
+  conversations of each group and of the request (each gives at least one sequence when trained),
+  and how much text the chat template will render for them (each turn's prompt again);
 - after tokenizing (lists of ints, still no tensor): the sequences of each group and of the
   request, each sequence's length before it is cut to ``max_seq_len``, the tokens of the whole
   request, and an estimate of the memory of the largest micro-batch.
@@ -23,6 +24,8 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 from artery.schemas import Trajectory
 from artery.services.trainer.settings import TrainerSettings
@@ -53,11 +56,29 @@ def conversations(trajectory: Trajectory) -> int:
     return 1 + len(trajectory.additional_histories)
 
 
+def rendered_bytes(trajectory: Trajectory) -> int:
+    """What the chat template renders to tokenize the trajectory, at most: each assistant turn's
+    prompt is the conversation before it (and its tools), so a long conversation of many turns
+    renders its beginning again and again (JSON sizes, a bound on the text)."""
+    total = 0
+    histories = [(trajectory.messages, trajectory.tools)]
+    histories += [(h.messages, h.tools) for h in trajectory.additional_histories]
+    for messages, tools in histories:
+        tools_size = len(msgspec.json.encode(tools)) if tools else 0
+        before = 0
+        for message in messages:
+            before += len(msgspec.json.encode(message))
+            if message.role == "assistant":
+                total += before + tools_size
+    return total
+
+
 def check_trajectories(settings: TrainerSettings, groups: Sequence[Sequence[Trajectory]]) -> None:
     """The budgets that need no tokenizer, in the order of their cost to exceed."""
-    total = 0
+    total = rendered = 0
     for g, group in enumerate(groups):
         for t, trajectory in enumerate(group):
+            rendered += rendered_bytes(trajectory)
             turns = sampled_turns(trajectory)
             if turns > settings.max_sampled_turns:
                 raise BudgetExceeded(
@@ -75,6 +96,13 @@ def check_trajectories(settings: TrainerSettings, groups: Sequence[Sequence[Traj
     if total > settings.max_request_sequences:
         raise BudgetExceeded(
             "max_request_sequences", total, settings.max_request_sequences, "conversations of the request"
+        )
+    if rendered > settings.max_rendered_mib * MIB:
+        raise BudgetExceeded(
+            "max_rendered_mib",
+            -(-rendered // MIB),
+            settings.max_rendered_mib,
+            "MiB the chat template renders",
         )
 
 

@@ -118,11 +118,13 @@ class GroupsNotStored(Exception):
 class StepRefused(Exception):
     """Loading the model or computing the step failed in a way the same request meets again on
     every delivery (``checkpoints.ModelUnusable`` and ``BudgetExceeded`` are ValueErrors, like
-    the checks of the loss settings; an OSError there is base weights that cannot be read)."""
+    the checks of the loss settings; an OSError there is base weights that cannot be read; torch
+    reports what a batch cannot do, its device's memory included, as RuntimeErrors)."""
 
 
-#: Errors of the model's loading and of the step's computation that refuse the request for good.
-REFUSED = (ValueError, OSError)
+#: Errors of the model's loading and of the step's computation that refuse the request for good:
+#: redelivered, the same request on the same model and settings meets them again.
+REFUSED = (ValueError, OSError, RuntimeError)
 
 
 class Trainer(ConsumingService):
@@ -174,7 +176,7 @@ class Trainer(ConsumingService):
                     outcomes[index] = Deferred("groups not stored yet", recheck_delay(_age_s(msg)))
                 else:
                     ready.append((index, request))
-            except (InvalidMessage, DependencyUnavailable) as exc:
+            except Exception as exc:  # this message's own outcome, whatever it is (errors.py)
                 outcomes[index] = exc
         if not ready:
             return outcomes
@@ -260,6 +262,8 @@ class Trainer(ConsumingService):
             return DependencyUnavailable(f"inference did not pause: {exc}")
         except StepCancelled:
             return DependencyUnavailable("the trainer stopped during the step; the request is handed back")
+        except Exception as exc:  # a bug: retried, then poison (errors.py); the others are settled
+            return exc
 
     async def handle(self, request: TrainRequest) -> TrainCompleted | TrainFailed:
         async with self.db.connection() as conn:

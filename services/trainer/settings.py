@@ -48,6 +48,13 @@ class TrainerSettings(msgspec.Struct, kw_only=True, frozen=True):
     max_sampled_turns: Annotated[
         int, doc("sampled assistant turns one trajectory may hold (its additional histories included)", ge=1)
     ] = 64
+    max_rendered_mib: Annotated[
+        int,
+        doc(
+            "MiB of conversation the chat template may render for one request (each turn's prompt again)",
+            ge=1,
+        ),
+    ] = 64
     max_group_sequences: Annotated[
         int, doc("training sequences one group may give (a conversation split at a turn gives more)", ge=1)
     ] = 256
