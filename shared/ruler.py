@@ -19,6 +19,8 @@ from typing import Any
 
 import msgspec
 
+from artery.shared.codec import MAX_NESTING, json_nesting_exceeds
+
 log = logging.getLogger(__name__)
 
 DEFAULT_RUBRIC = """
@@ -139,9 +141,11 @@ def parse_scores(answer: str | dict[str, Any], n: int) -> list[TrajectoryScore]:
     """Scores for trajectories ``"1".."n"``, in that order, matched by id and clamped to [0, 1]."""
     data: Any = answer
     if isinstance(answer, (str, bytes)):
+        if json_nesting_exceeds(answer):  # json.loads recurses once per level
+            raise RulerError(f"judge answer nests deeper than {MAX_NESTING}: {_excerpt(answer)}")
         try:
             data = json.loads(answer)
-        except (json.JSONDecodeError, TypeError) as exc:
+        except (json.JSONDecodeError, TypeError, RecursionError) as exc:
             raise RulerError(f"judge answer is not valid JSON ({exc}): {_excerpt(answer)}") from None
     if not isinstance(data, dict) or not isinstance(data.get("scores"), list):
         raise RulerError(f'judge answer has no "scores" list: {_excerpt(answer)}')
