@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from pathlib import Path
 
 import asyncpg
 import msgspec
@@ -20,9 +21,11 @@ from nats.js.errors import APIError
 
 import artery as art
 from artery.schemas import ModelRecord
+from artery.services.publisher.base_models import EMBEDDED, BaseModelPolicy
 from artery.shared import bus, subjects
 from artery.shared.bus import MSG_ID, event_headers
 from artery.shared.codec import encode
+from artery.shared.errors import InvalidMessage
 from artery.shared.models import TINY
 from artery.shared.permissions import permissions
 from artery.shared.registry import RegistrationRefused, models_kv, read_record, register
@@ -266,3 +269,43 @@ async def test_an_agent_creates_no_consumer_and_rewrites_none_by_name(stack, cli
     model = art.TrainableModel(name="consumed", project=OTHER, base_model=TINY)
     await model.register(sdk)
     assert await sdk.replicas(model) == []
+
+
+def _adapter(path, base: str):
+    path.mkdir(parents=True)
+    (path / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "base_model_name_or_path": base})
+    )
+    (path / "adapter_model.safetensors").write_bytes(b"")
+    return path
+
+
+def test_warm_starts_come_from_the_projects_own_adapters_only(tmp_path):
+    root = tmp_path / "warm"
+    mine = _adapter(root / OTHER / "sft", TINY)
+    theirs = _adapter(root / HOSTILE / "sft", TINY)
+    elsewhere = _adapter(tmp_path / "elsewhere", TINY)
+    unlisted = _adapter(root / OTHER / "big", "some/other-model")
+    (root / OTHER / "link").symlink_to(theirs)
+    policy = BaseModelPolicy.parse(None, str(root), authenticated=True)
+    assert policy.names == EMBEDDED
+    assert policy.check(OTHER, TINY) == TINY
+    assert policy.check(OTHER, str(mine)) == str(mine.resolve())
+    for refused in (
+        theirs,  # another project's adapter
+        root / OTHER / "link",  # a link out of the project's directory
+        root / OTHER / ".." / HOSTILE / "sft",  # climbing out of it
+        root / OTHER,  # the directory itself
+        elsewhere,  # an adapter anywhere else
+        unlisted,  # its own adapter, on a base the operator does not list
+        Path("/etc/shadow"),
+    ):
+        with pytest.raises(InvalidMessage) as caught:
+            policy.check(OTHER, str(refused))
+        assert caught.value.kind == "base_model", refused
+    with pytest.raises(InvalidMessage, match="not a base model of this cluster"):
+        policy.check(OTHER, "Qwen/Qwen2.5-1.5B-Instruct")
+    # Listed by the operator; and on a bus without authentication, anything (as before).
+    listed = BaseModelPolicy.parse("Qwen/Qwen2.5-1.5B-Instruct", None, authenticated=True)
+    assert listed.check(OTHER, "Qwen/Qwen2.5-1.5B-Instruct") == "Qwen/Qwen2.5-1.5B-Instruct"
+    assert BaseModelPolicy.parse(None, None, authenticated=False).check(OTHER, "/any/dir") == "/any/dir"
