@@ -330,9 +330,14 @@ def _bad_utf8(content_type, bad, where):
         "content": ("trajectories", 0, "messages", 0, "content"),
         "metadata_key": ("metadata",),
         "id": ("id",),
+        # Unknown fields: a typed decode skips them unread, so only a check of the whole
+        # message refuses them (a trajectory was stored with such a key, its reward as 0.0).
+        "unknown_key": ("MARKER",),
+        "unknown_value": ("unknown",),
     }[where]
-    document = set_path(_BASE, path, {"MARKER": 1}) if where == "metadata_key" else _BASE
-    if where == "metadata_key":
+    document = {"metadata_key": set_path(_BASE, path, {"MARKER": 1}), "unknown_key": set_path(_BASE, path, 1)}
+    document = document.get(where, _BASE)
+    if where in ("metadata_key", "unknown_key"):
         encoded = encode(document, content_type)
         payload = encoded.replace(b"MARKER", (bad + b"xxxxxx")[:6], 1)
     else:
@@ -436,7 +441,7 @@ def hostile_groups(max_bytes: int) -> st.SearchStrategy[Hostile]:
             _bad_utf8,
             payload_of(),
             st.sampled_from(BAD_UTF8),
-            st.sampled_from(["content", "id", "metadata_key"]),
+            st.sampled_from(["content", "id", "metadata_key", "unknown_key", "unknown_value"]),
         ),
         wrong,
         st.builds(
@@ -463,6 +468,12 @@ def hostile_groups(max_bytes: int) -> st.SearchStrategy[Hostile]:
                     "0001-01-01T00:30:00+01:00",
                     "9999-12-31T23:59:59-23:59",
                     "9999-12-31T23:00:00-01:00",
+                    # Valid in UTC, but -infinity/infinity once stored, or just outside the
+                    # collector's range (``validate.EARLIEST_TIME``, ``LATEST_TIME``).
+                    "0001-01-01T00:00:00Z",
+                    "9999-12-31T23:59:59.999999Z",
+                    "1969-12-31T23:59:59Z",
+                    "2100-01-01T00:00:00Z",
                 ]
             ),
         ),
