@@ -99,7 +99,8 @@ FUZZ_SEED ?= $(shell date +%s)
 fuzz: setup prepare-model
 	@echo "fuzz: scale $(FUZZ_SCALE), seed $(FUZZ_SEED) (replay: make fuzz FUZZ_SEED=$(FUZZ_SEED))"
 	ARTERY_FUZZ_SCALE=$(FUZZ_SCALE) ARTERY_FUZZ_SEED=$(FUZZ_SEED) $(PY) -m pytest -q \
-		tests/test_fuzz.py tests/test_tenants.py tests/test_inference_hostile.py tests/test_reward_hostile.py
+		tests/test_fuzz.py tests/test_tenants.py tests/test_inference_hostile.py tests/test_reward_hostile.py \
+		tests/test_input_edges.py
 
 bench: setup prepare-model  # trainer_memory measures SmolLM2
 	$(PY) -m loadtests
