@@ -24,7 +24,14 @@ from artery.schemas.checkpoints import (
 from artery.schemas.control import PauseAck, PauseInference, ReplicaInfo, ResumeAck, ResumeInference
 from artery.schemas.deadletter import DeadLetter
 from artery.schemas.groups import GroupReady, GroupScored, JudgeUsage, TrajectoryScore
-from artery.schemas.models import LoraSpec, ModelRecord
+from artery.schemas.models import (
+    LoraSpec,
+    ModelRecord,
+    ModelRegistered,
+    ModelRegistrationRequested,
+    ReplicasListed,
+    ReplicasRequested,
+)
 from artery.schemas.training import (
     TrainCompleted,
     TrainConfig,
@@ -73,9 +80,13 @@ __all__ = [
     "LoraSpec",
     "Message",
     "ModelRecord",
+    "ModelRegistered",
+    "ModelRegistrationRequested",
     "PauseAck",
     "PauseInference",
     "ReplicaInfo",
+    "ReplicasListed",
+    "ReplicasRequested",
     "ResumeAck",
     "ResumeInference",
     "RetentionApplied",

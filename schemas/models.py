@@ -6,7 +6,8 @@ from typing import Annotated, Any
 
 import msgspec
 
-from artery.schemas.base import Name, Step, Struct, Timestamp
+from artery.schemas.base import Event, Name, Step, Struct, Timestamp
+from artery.schemas.control import ReplicaInfo
 
 ModuleName = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
 
@@ -36,3 +37,31 @@ class ModelRecord(Struct, kw_only=True):
     #: Extra chat-template variables the SDK's client sends with every request (ART's
     #: ``InternalModelConfig.chat_template_kwargs``).
     chat_template_kwargs: dict[str, Any] = {}
+
+
+class ModelRegistrationRequested(Event, kw_only=True, tag="model.register"):
+    """``register()``: the record an agent asks for, sent to the publisher (request/reply), which
+    checks it (the subject's model, an allowed base model, the LoRA shape once trained) and writes
+    the models bucket itself. Agents never write that bucket; ``step`` is kept as it is."""
+
+    record: ModelRecord
+
+
+class ModelRegistered(Event, kw_only=True, tag="model.registered"):
+    """The publisher's answer to ``ModelRegistrationRequested``: the record as stored, or why
+    nothing was stored (``error``, ``<kind>: <reason>``)."""
+
+    record: ModelRecord | None = None
+    error: str | None = None
+
+
+class ReplicasRequested(Event, kw_only=True, tag="replicas.list"):
+    """The live inference replicas of a model, asked of the publisher (request/reply): agents
+    create no consumers, so the replicas bucket is read on their behalf."""
+
+
+class ReplicasListed(Event, kw_only=True, tag="replicas.listed"):
+    """The publisher's answer to ``ReplicasRequested``."""
+
+    replicas: list[ReplicaInfo] = []
+    error: str | None = None

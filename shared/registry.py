@@ -21,8 +21,18 @@ from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
-from artery.schemas import ModelRecord, ReplicaInfo, utcnow
+from artery.schemas import (
+    ModelRecord,
+    ModelRegistered,
+    ModelRegistrationRequested,
+    ReplicasListed,
+    ReplicasRequested,
+    new_event_id,
+    utcnow,
+)
 from artery.shared import subjects
+from artery.shared.bus import event_headers
+from artery.shared.codec import EventDecoder, encode
 from artery.shared.kv import kv_stream
 from artery.shared.logs import get_logger
 
@@ -84,22 +94,8 @@ def registered(requested: ModelRecord, found: ModelRecord | None) -> ModelRecord
     return msgspec.structs.replace(requested, step=step, lora=lora, registered_at=utcnow())
 
 
-class RegistrationReply(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """The answer to a registration: the stored record, or why nothing was stored."""
-
-    record: ModelRecord | None = None
-    error: str | None = None
-
-
-class ReplicasReply(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """The answer to ``subjects.replicas_request``: the model's live replicas."""
-
-    replicas: list[ReplicaInfo] = []
-    error: str | None = None
-
-
-_registration_decoder = msgspec.json.Decoder(RegistrationReply)
-_replicas_decoder = msgspec.json.Decoder(ReplicasReply)
+_registered_decoder = EventDecoder(ModelRegistered)
+_replicas_decoder = EventDecoder(ReplicasListed)
 
 
 class RegistrationRefused(ValueError):
@@ -116,12 +112,14 @@ async def register(js: JetStreamContext, requested: ModelRecord, *, timeout_s: f
 
     nc = js._nc  # the request goes out on the context's own connection
     subject = subjects.register_request(requested.project, requested.name)
-    body = msgspec.json.encode(requested)
+    request = ModelRegistrationRequested(
+        id=new_event_id(), project=requested.project, model=requested.name, record=requested
+    )
     try:
-        reply = await nc.request(subject, body, timeout=timeout_s)
+        reply = await nc.request(subject, encode(request), timeout=timeout_s, headers=event_headers(request))
     except NoRespondersError:
         return await _register_here(js, requested)
-    answer = _registration_decoder.decode(reply.data)
+    answer = _registered_decoder.decode(reply.data)
     if answer.error is not None or answer.record is None:
         raise RegistrationRefused(answer.error or "the registry answered without a record")
     return answer.record
@@ -156,8 +154,14 @@ async def project_replicas(js: JetStreamContext, project: str, model: str, *, ti
 
     from artery.shared.control_client import live_replicas
 
+    request = ReplicasRequested(id=new_event_id(), project=project, model=model)
     try:
-        reply = await js._nc.request(subjects.replicas_request(project, model), b"", timeout=timeout_s)
+        reply = await js._nc.request(
+            subjects.replicas_request(project, model),
+            encode(request),
+            timeout=timeout_s,
+            headers=event_headers(request),
+        )
     except NoRespondersError:
         return await live_replicas(js, project, model)
     answer = _replicas_decoder.decode(reply.data)

@@ -31,9 +31,14 @@ from artery.schemas import (
     ImageURL,
     JudgeUsage,
     Message,
+    ModelRecord,
+    ModelRegistered,
+    ModelRegistrationRequested,
     PauseAck,
     PauseInference,
     ReplicaInfo,
+    ReplicasListed,
+    ReplicasRequested,
     ResumeAck,
     ResumeInference,
     RetentionApplied,
@@ -171,6 +176,12 @@ EXAMPLES: list[Event] = [
     CheckpointDeleted(**ENVELOPE, object_name="demo/agent-1/1"),
     RetentionRequested(**ENVELOPE, keep_latest=2, best_metric="val/reward", best_mode="max"),
     RetentionApplied(**ENVELOPE, kept=[2, 3], deleted=[1], best_step=2),
+    ModelRegistrationRequested(
+        **ENVELOPE, record=ModelRecord(project="demo", name="agent-1", base_model="artery/tiny-random")
+    ),
+    ModelRegistered(**ENVELOPE, error="base_model: '/etc' is not a base model of this cluster"),
+    ReplicasRequested(**ENVELOPE),
+    ReplicasListed(**ENVELOPE, replicas=[]),
     PauseInference(**ENVELOPE, lease_id="lease-1", lease_seconds=30.0, requested_by="trainer-0"),
     ResumeInference(**ENVELOPE, lease_id="lease-1", requested_by="trainer-0"),
     PauseAck(

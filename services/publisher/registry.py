@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import uuid
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -27,15 +28,18 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
-from artery.schemas import ModelRecord
+from artery.schemas import ModelRecord, ModelRegistered, ModelRegistrationRequested, ReplicasListed
 from artery.schemas.base import NAME_PATTERN
+from artery.schemas.deadletter import UNKNOWN
 from artery.services.publisher.base_models import BaseModelPolicy
 from artery.services.publisher.service import SERVICE
 from artery.shared import subjects
+from artery.shared.bus import CONTENT_TYPE, event_headers
+from artery.shared.codec import EventDecoder, encode
 from artery.shared.control_client import live_replicas
 from artery.shared.errors import InvalidMessage
 from artery.shared.logs import get_logger
-from artery.shared.registry import RegistrationReply, ReplicasReply, decode_record, registered
+from artery.shared.registry import decode_record, registered
 
 log = get_logger(__name__)
 _NAME = re.compile(NAME_PATTERN)
@@ -43,7 +47,8 @@ _NAME = re.compile(NAME_PATTERN)
 MAX_REQUEST_BYTES = 64 * 1024
 #: Compare-and-set attempts when the trainer moves the step between our read and our write.
 _CAS_ATTEMPTS = 5
-_record_decoder = msgspec.json.Decoder(ModelRecord)
+_decoder = EventDecoder(ModelRegistrationRequested)
+_ANSWER_NAMESPACE = uuid.UUID("5d1c7a0e-2b4f-4e8a-9c3d-726567697374")
 
 
 class RegistryServer:
@@ -67,10 +72,13 @@ class RegistryServer:
         self._subs = []
 
     async def _on_register(self, msg: Msg) -> None:
-        reply = RegistrationReply()
+        project, model = _names_or_unknown(msg.subject, subjects.register_request("*", "*"))
+        reply = ModelRegistered(id=_answer_id(msg), project=project, model=model)
         try:
             project, model = _names(msg.subject, subjects.register_request("*", "*"))
-            reply.record = await self.register(project, model, msg.data)
+            reply.record = await self.register(
+                project, model, msg.data, (msg.headers or {}).get(CONTENT_TYPE)
+            )
         except InvalidMessage as exc:
             log.warning("registration refused", subject=msg.subject, kind=exc.kind, reason=exc.reason[:300])
             reply.error = f"{exc.kind}: {exc.reason}"
@@ -79,14 +87,17 @@ class RegistryServer:
             reply.error = f"unavailable: {exc!r}"
         await _answer(self.nc, msg, reply)
 
-    async def register(self, project: str, model: str, data: bytes) -> ModelRecord:
+    async def register(
+        self, project: str, model: str, data: bytes, content_type: str | None = None
+    ) -> ModelRecord:
         if len(data) > MAX_REQUEST_BYTES:
             raise InvalidMessage("too_large", f"{len(data)} bytes is more than {MAX_REQUEST_BYTES}")
         try:
-            requested = _record_decoder.decode(data)
-        except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
+            request = _decoder.decode(data, content_type)
+        except (UnicodeDecodeError, RecursionError) as exc:  # outside msgspec's DecodeError
             raise InvalidMessage("decode", str(exc)) from None
-        if (requested.project, requested.name) != (project, model):
+        requested = request.record
+        if {(request.project, request.model), (requested.project, requested.name)} != {(project, model)}:
             raise InvalidMessage(
                 "subject_mismatch", f"{requested.project}/{requested.name} registered as {project}/{model}"
             )
@@ -116,7 +127,8 @@ class RegistryServer:
         raise RuntimeError(f"{key} kept changing while it was registered")
 
     async def _on_replicas(self, msg: Msg) -> None:
-        reply = ReplicasReply()
+        project, model = _names_or_unknown(msg.subject, subjects.replicas_request("*", "*"))
+        reply = ReplicasListed(id=_answer_id(msg), project=project, model=model)
         try:
             project, model = _names(msg.subject, subjects.replicas_request("*", "*"))
             reply.replicas = await live_replicas(self.js, project, model)
@@ -128,11 +140,16 @@ class RegistryServer:
         await _answer(self.nc, msg, reply)
 
 
-async def _answer(nc: NATS, msg: Msg, reply: msgspec.Struct) -> None:
+def _answer_id(msg: Msg) -> str:
+    """The same answer id for the same request (a retried request is answered alike)."""
+    return str(uuid.uuid5(_ANSWER_NAMESPACE, msg.subject + "\0" + msg.data.decode(errors="replace")))
+
+
+async def _answer(nc: NATS, msg: Msg, reply) -> None:
     if not msg.reply:
         return
     try:
-        await nc.publish(msg.reply, msgspec.json.encode(reply))
+        await nc.publish(msg.reply, encode(reply), headers=event_headers(reply))
     except Exception as exc:  # the caller times out; nothing more to do
         log.warning("registry reply failed", error=repr(exc))
 
@@ -146,3 +163,11 @@ def _names(subject: str, pattern: str) -> tuple[str, str]:
     if not (_NAME.match(project) and _NAME.match(model)):
         raise InvalidMessage("subject", f"{subject!r} names no valid project and model")
     return project, model
+
+
+def _names_or_unknown(subject: str, pattern: str) -> tuple[str, str]:
+    """(project, model) for the answer's envelope; ``UNKNOWN`` where the subject names none."""
+    try:
+        return _names(subject, pattern)
+    except InvalidMessage:
+        return UNKNOWN, UNKNOWN
