@@ -47,7 +47,7 @@ import msgspec
 from artery.schemas import CheckpointSaved
 from artery.shared import bus, subjects
 from artery.shared.adapters import AdapterNotFound, adapter_info, pack_adapter, sha256_hex
-from artery.shared.registry import read_record
+from artery.shared.registry import models_kv, read_record
 from artery.shared.wakeup import woken_by
 
 if TYPE_CHECKING:
@@ -153,9 +153,12 @@ def _safe_relative(key: str) -> PurePosixPath:
 
 
 def model_dir(backend: Backend, model: Model) -> Path:
-    """The model directory, where ``register`` puts it (the backend's path when it has one)."""
-    if model.base_path is None and isinstance(getattr(backend, "path", None), Path):
-        model.base_path = str(backend.path)
+    """The model directory, where ``register`` puts it (a LocalBackend's model path: ``.art``, or
+    the path it was given)."""
+    if model.base_path is None:
+        path = getattr(backend, "models_path", None) or getattr(backend, "path", None)
+        if isinstance(path, Path):
+            model.base_path = str(path)
     return model.directory
 
 
@@ -360,7 +363,7 @@ def _download(
 
 async def restore(backend: Backend, model: Model, step: int, source: Path, verbose: bool) -> int | None:
     """Make pulled step ``step`` (in ``source``) the model's current step, if it is newer."""
-    kv = await (await backend._js()).key_value(subjects.MODELS_BUCKET)
+    kv = models_kv(await backend._js())
     found = await read_record(kv, model.project, model.name)
     current = found.record.step if found else 0
     if step <= current:
@@ -449,9 +452,15 @@ async def _publish_step(backend: Backend, model: Model, step: int, tar: Path, me
     loop = asyncio.get_running_loop()
     deadline = loop.time() + RESTORE_TIMEOUT_S
     async with woken_by(nc, subjects.checkpoint("published", model.project, model.name)) as wake:
-        await bus.publish_event(
-            nc.jetstream(), subjects.checkpoint("saved", model.project, model.name), event
-        )
+        try:
+            await bus.publish_event(
+                nc.jetstream(), subjects.checkpoint("saved", model.project, model.name), event
+            )
+        except Exception as exc:  # a secure stack lets only its trainer announce a checkpoint
+            raise S3TransportError(
+                f"pulled step {step} of {model.project}/{model.name} could not be announced to the"
+                f" publisher ({exc!r}); on a secure stack only the trainer may: restore it there"
+            ) from exc
         while True:
             wake.clear()
             try:
