@@ -36,7 +36,7 @@ from typing import Any
 
 from artery.schemas import SCHEMA_VERSION, History, TrainRequested, Trajectory, TrajectoryGroupSubmitted
 from artery.shared import codec, subjects
-from artery.shared.codec import CONTENT_TYPE, EVENT_HEADER, MSG_ID, SCHEMA_HEADER, EventDecoder, json_leaves
+from artery.shared.codec import CONTENT_TYPE, EVENT_HEADER, SCHEMA_HEADER, EventDecoder, json_leaves
 from artery.shared.errors import InvalidMessage
 
 #: The largest reward magnitude a trajectory may carry. Far beyond any sensible reward scale; it
@@ -95,7 +95,6 @@ def decode_group(
             f"published on {subject!r} but names project {group.project!r} and model {group.model!r}",
             original_id=group.id,
         )
-    check_msg_id(headers, group)
     if len(group.trajectories) > max_trajectories:
         raise InvalidMessage(
             "too_large",
@@ -149,26 +148,6 @@ def check_headers(headers: Mapping[str, str]) -> None:
     if schema is not None and schema != SCHEMA_VERSION:
         raise InvalidMessage(
             "header_mismatch", f"{SCHEMA_HEADER} {schema!r}: this collector reads version {SCHEMA_VERSION!r}"
-        )
-
-
-def check_msg_id(headers: Mapping[str, str], group: TrajectoryGroupSubmitted) -> None:
-    """A ``Nats-Msg-Id`` with a tenant prefix must name the subject's own tenant.
-
-    JetStream de-duplicates on that header in one window for the whole stream, so an id naming
-    another tenant is an attempt to have that tenant's message dropped. The SDK sends none on
-    agents' subjects (``bus.AGENT_SUBJECTS``), so it cannot be suppressed that way; the attempt is
-    refused here, visibly, instead of being stored."""
-    msg_id = headers.get(MSG_ID)
-    if msg_id is None or "." not in msg_id:
-        return
-    own = f"{group.project}.{group.model}."
-    if not msg_id.startswith(own):
-        raise InvalidMessage(
-            "forged_msg_id",
-            f"{MSG_ID} {msg_id[:200]!r} on {group.project}/{group.model}'s subject: an id with dots must"
-            f" start with {own!r}",
-            original_id=group.id,
         )
 
 
