@@ -121,10 +121,10 @@ def count_generated(tokens: int) -> None:
 
 
 #: A scraper or probe that connects must send its request within this many seconds (a socket
-#: timeout per read), and at most ``_MAX_CONNECTIONS`` are served at once: each holds a thread,
+#: timeout per read), and at most ``MAX_CONNECTIONS`` are served at once: each holds a thread,
 #: and a slow client would otherwise hold it for ever (``ARTERY_HTTP_*`` governs the uvicorn servers).
-_READ_TIMEOUT_S = 10.0
-_MAX_CONNECTIONS = 64
+READ_TIMEOUT_S = 10.0
+MAX_CONNECTIONS = 64
 
 
 class _Server(ThreadingMixIn, WSGIServer):
@@ -133,7 +133,7 @@ class _Server(ThreadingMixIn, WSGIServer):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._slots = threading.BoundedSemaphore(_MAX_CONNECTIONS)
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
 
     def process_request(self, request, client_address) -> None:
         if not self._slots.acquire(blocking=False):
@@ -154,7 +154,7 @@ class _Server(ThreadingMixIn, WSGIServer):
 
 
 class _Quiet(WSGIRequestHandler):
-    timeout = _READ_TIMEOUT_S
+    timeout = READ_TIMEOUT_S
 
     def log_message(self, format, *args) -> None:
         pass  # one access line per scrape would drown the service's own log

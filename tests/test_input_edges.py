@@ -6,6 +6,7 @@ would have been served, stored or held forever before, and expects a clean refus
   is a 400 from the replica and a dead letter from the collector;
 - slow clients: partial headers, or a ``Content-Length`` and no body, are cut with 408 after
   ``ARTERY_HTTP_*_TIMEOUT_S``; connections past ``ARTERY_HTTP_MAX_CONNECTIONS`` get 503 at once;
+  the metrics server (``/metrics``, ``/healthz``, ``/readyz``) cuts and caps them likewise;
 - step names: ``agent@０``, ``agent@٠`` and ``agent@00`` are not ``agent@0``;
 - ``/health`` without the key says how the replica is, not what it serves;
 - a group time of year 1 or 9999-12-31 (stored as -infinity/infinity) is a dead letter naming it;
@@ -26,6 +27,7 @@ import pytest
 
 from artery.schemas import DeadLetter, Trajectory
 from artery.services.trainer.staleness import sampled_step
+from artery.shared import metrics as metrics_server
 from artery.shared import subjects
 from artery.shared.codec import JSON, MAX_NESTING, MSGPACK, encode
 from artery.shared.control_client import live_replicas
@@ -155,6 +157,30 @@ async def test_slow_clients_are_cut_and_connections_past_the_cap_refused(replica
             writer.close()
     async with httpx.AsyncClient(base_url=replica, headers=AUTH, timeout=60) as http:
         assert (await http.get("/v1/models")).status_code == 200
+
+
+async def test_the_metrics_server_cuts_slow_clients_and_caps_connections(replica, stack):
+    metrics = httpx.URL(stack.processes["edge"].ready_info["metrics_url"])
+    slow = []
+    for _ in range(metrics_server.MAX_CONNECTIONS):
+        reader, writer = await asyncio.open_connection(metrics.host, metrics.port)
+        writer.write(b"GET /metrics HTTP/1.1\r\nHost: replica\r\nAccept: tex")
+        await writer.drain()
+        slow.append((reader, writer))
+    extra = [await asyncio.open_connection(metrics.host, metrics.port) for _ in range(20)]
+    try:
+        # Past the cap: closed unread, long before a served connection could time out.
+        refused = await asyncio.wait_for(
+            asyncio.gather(*(reader.read() for reader, _ in extra)), metrics_server.READ_TIMEOUT_S / 2
+        )
+        assert refused == [b""] * len(extra)
+        cut = await asyncio.wait_for(asyncio.gather(*(reader.read() for reader, _ in slow)), 60)
+        assert cut == [b""] * len(slow)
+    finally:
+        for _, writer in slow + extra:
+            writer.close()
+    async with httpx.AsyncClient(timeout=60) as http:
+        assert (await http.get(str(metrics.copy_with(path="/healthz")))).status_code == 200
 
 
 # --------------------------------------------------------------------------- step names
