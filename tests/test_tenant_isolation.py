@@ -236,6 +236,20 @@ async def test_stream_info_lists_nothing_of_another_tenant(stack, clients, sdk):
     await hostile.denied(
         "$JS.API.STREAM.LIST", hostile.nc.request("$JS.API.STREAM.LIST", b"{}", timeout=DENIED_WAIT_S)
     )
+    # Its own records by direct get, where the key is the subject's: a body asking for another
+    # message by sequence, or by another subject, does not reach other's record.
+    admin = await clients("admin")
+    theirs = await (await admin.js.key_value(subjects.MODELS_BUCKET)).get(subjects.model_key(OTHER, model))
+    own_key = f"$JS.API.DIRECT.GET.KV_{subjects.MODELS_BUCKET}.$KV.{subjects.MODELS_BUCKET}.{HOSTILE}.{model}"
+    for body in (
+        {"seq": theirs.revision},
+        {"last_by_subj": f"$KV.{subjects.MODELS_BUCKET}.{OTHER}.{model}"},
+        {"next_by_subj": f"$KV.{subjects.MODELS_BUCKET}.{OTHER}.{model}", "seq": 1},
+    ):
+        reply = await hostile.nc.request(own_key, json.dumps(body).encode(), timeout=5)
+        assert (
+            OTHER.encode() not in reply.data and (reply.headers or {}).get("Nats-Subject", "").find(OTHER) < 0
+        ), body
     # What it may ask lists stream names, the same for every tenant: no subject, model or count.
     names = json.loads((await hostile.nc.request("$JS.API.STREAM.NAMES", b"{}", timeout=5)).data)
     assert subjects.TRAJECTORIES.name in names["streams"]
