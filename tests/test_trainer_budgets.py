@@ -190,6 +190,28 @@ async def test_groups_too_large_to_load_are_refused_before_they_are_read(nc, js,
     assert "max_request_mib exceeded: MiB of trajectories 2 > 1" in failed.error, failed.error
 
 
+async def test_a_request_over_a_budget_never_pauses_inference(nc, js, db, database_url, tmp_path):
+    """The sequences are made and measured before the pause: with a registered replica that never
+    answers a pause (any pause attempt would fail and be retried), a request over the tokens
+    budget is still answered train.failed at once."""
+    from artery.schemas import ReplicaInfo
+
+    await register_trainable(js, PROJECT, MODEL, TINY)
+    replicas = await js.key_value(subjects.REPLICAS_BUCKET)
+    ghost = ReplicaInfo(
+        replica_id="ghost", project=PROJECT, model=MODEL, engine="transformers", url="http://x"
+    )
+    await replicas.put(subjects.replica_key(PROJECT, MODEL, "ghost"), msgspec.json.encode(ghost))
+    groups = [text_group(seed) for seed in range(2)]
+    await write_groups(db, [StoredGroup.of(g, None) for g in groups])
+    settings = settings_for(tmp_path, max_request_tokens=40)
+    async with Answers(js, PROJECT, MODEL) as answers, running_trainer(nc, database_url, settings) as trainer:
+        refused = await request(js, PROJECT, MODEL, [g.id for g in groups])
+        failed = await answers.of(refused.id)
+        assert isinstance(failed, TrainFailed) and "max_request_tokens" in failed.error, failed
+        assert trainer.consumer.stats.retried == 0  # no pause was tried, none failed
+
+
 def test_the_budgets_are_checked_from_the_trajectories_alone():
     """The checks before tokenizing need only the stored trajectories (no model, no tensor)."""
     settings = TrainerSettings(max_sampled_turns=3)

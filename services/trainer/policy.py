@@ -36,6 +36,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +107,24 @@ OPTIMIZER_TENSORS = "optimizer.safetensors"
 OPTIMIZER_JSON = "optimizer.json"
 RNG_TENSORS = "rng.safetensors"
 CHECKPOINT_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class PreparedStep:
+    """A GRPO step's groups made into sequences (``Policy.prepare_step``): everything before the
+    first tensor, so that it can run, and be refused, before inference is paused."""
+
+    plan: GroupPlan
+    sequences: list[TrainingSequence]
+    report: Any
+
+
+@dataclass(frozen=True)
+class PreparedSFT:
+    """An SFT step's batches as sequences, with their learning rates and counters (``prepare_sft``)."""
+
+    batches: list[tuple[list[TrainingSequence], float]]
+    counts: dict[str, float]
 
 
 class StepCancelled(Exception):
@@ -252,6 +271,7 @@ class Policy:
         chat_template_kwargs: Mapping[str, Any] | None = None,
         budget: StepBudget | None = None,
         should_stop: Callable[[], bool] | None = None,
+        prepared: PreparedStep | None = None,
     ) -> StepResult:
         """One GRPO step. ``temperature`` is the sampler's: new logprobs are taken at it, as the
         sampler's old ones were. ``config.grad_accumulation_sequences`` (when set) splits the step's
@@ -259,7 +279,8 @@ class Policy:
 
         ``budget``: the sequences are checked against it before any tensor is made (raises
         ``BudgetExceeded``). ``should_stop`` is asked before each micro-batch: True raises
-        ``StepCancelled`` before the optimizer steps, so a stopping trainer never waits out a step."""
+        ``StepCancelled`` before the optimizer steps, so a stopping trainer never waits out a step.
+        ``prepared``: ``prepare_step`` of the same groups, done already (its budget checked)."""
         started = time.perf_counter()
         if temperature <= 0:
             raise ValueError("temperature must be > 0 (greedy samples have no logprobs to train on)")
@@ -269,20 +290,16 @@ class Policy:
         loss_fn = cached_loss(settings)  # invalid settings raise here
         # Off-policy: the sampled logprobs weigh each token (truncated IS), not the ratio's "old".
         is_cap = settings.truncated_importance_sampling if off_policy else None
-        plan = plan_groups(groups, scale_rewards=config.scale_rewards)
-        sequences, report = build_sequences(
-            groups,
-            plan.advantages,
-            self.tokenizer,
-            max_seq_len=max_seq_len,
-            allow_training_without_logprobs=allow_training_without_logprobs,
-            chat_template_kwargs=chat_template_kwargs,
-        )
-        if budget is not None:
-            budget.check_sequences(
-                sequences, max((c.length for c in report.cut), default=0), ModelShape.of(self.model),
-                self.optim.micro_batch_size,
-            )  # fmt: skip
+        if prepared is None:
+            prepared = self.prepare_step(
+                groups,
+                config,
+                max_seq_len=max_seq_len,
+                allow_training_without_logprobs=allow_training_without_logprobs,
+                chat_template_kwargs=chat_template_kwargs,
+                budget=budget,
+            )
+        plan, sequences, report = prepared.plan, prepared.sequences, prepared.report
         self.step += 1
         metrics = dict(plan.metrics)
         metrics.update({key: float(value) for key, value in report.counts().items()})
@@ -320,6 +337,31 @@ class Policy:
         return StepResult(
             step=self.step, trained=skip_reason is None, skip_reason=skip_reason, metrics=metrics
         )
+
+    def prepare_step(
+        self,
+        groups: Sequence[Sequence[Trajectory]],
+        config: TrainConfig,
+        *,
+        max_seq_len: int,
+        allow_training_without_logprobs: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        budget: StepBudget | None = None,
+    ) -> PreparedStep:
+        """The groups' advantages and sequences, checked against ``budget`` (``BudgetExceeded``)."""
+        plan = plan_groups(groups, scale_rewards=config.scale_rewards)
+        sequences, report = build_sequences(
+            groups,
+            plan.advantages,
+            self.tokenizer,
+            max_seq_len=max_seq_len,
+            allow_training_without_logprobs=allow_training_without_logprobs,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+        if budget is not None:
+            uncut = max((c.length for c in report.cut), default=0)
+            budget.check_sequences(sequences, uncut, ModelShape.of(self.model), self.optim.micro_batch_size)
+        return PreparedStep(plan=plan, sequences=sequences, report=report)
 
     def _update(
         self,
@@ -406,35 +448,26 @@ class Policy:
         chat_template_kwargs: Mapping[str, Any] | None = None,
         budget: StepBudget | None = None,
         should_stop: Callable[[], bool] | None = None,
+        prepared: PreparedSFT | None = None,
     ) -> StepResult:
         """One supervised fine-tuning step (ART's ``train_sft``): the trajectories, in order,
         ``config.batch_size`` per optimizer update, each batch at its own learning rate; the loss
         is the cross-entropy of the assistant tokens (every assistant message is trained unless
         ``trainable`` is False; rewards and sampled logprobs play no part). Raises ``ValueError``
         when a list of learning rates does not have one rate per batch; ``budget`` and
-        ``should_stop`` as in ``train_step`` (every batch is tokenized and checked before the first
-        update)."""
+        ``should_stop`` and ``prepared`` (``prepare_sft``) as in ``train_step``."""
         started = time.perf_counter()
         trajectories = list(trajectories)
-        rates = config.learning_rates(len(trajectories))
-        size = config.resolved_batch_size()
-        counts: dict[str, float] = {}
-        batches: list[tuple[list[TrainingSequence], float]] = []
-        uncut = 0
-        for index, rate in enumerate(rates):
-            sequences, report = sft_sequences(
-                trajectories[index * size : (index + 1) * size],
-                self.tokenizer,
+        if prepared is None:
+            prepared = self.prepare_sft(
+                trajectories,
+                config,
                 max_seq_len=max_seq_len,
                 chat_template_kwargs=chat_template_kwargs,
+                budget=budget,
             )
-            for key, value in report.counts().items():
-                counts[key] = counts.get(key, 0.0) + float(value)
-            uncut = max([uncut, *(c.length for c in report.cut)])
-            batches.append((sequences, rate))
-        if budget is not None:
-            every = [s for sequences, _ in batches for s in sequences]
-            budget.check_sequences(every, uncut, ModelShape.of(self.model), self.optim.micro_batch_size)
+        batches, counts = prepared.batches, dict(prepared.counts)
+        rates = [rate for _, rate in batches]
         self.step += 1
         updates: list[dict[str, float]] = []
         try:
@@ -469,6 +502,38 @@ class Policy:
         return StepResult(
             step=self.step, trained=skip_reason is None, skip_reason=skip_reason, metrics=metrics
         )
+
+    def prepare_sft(
+        self,
+        trajectories: Sequence[Trajectory],
+        config: TrainSFTConfig,
+        *,
+        max_seq_len: int,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        budget: StepBudget | None = None,
+    ) -> PreparedSFT:
+        """Every batch tokenized, and checked against ``budget``, before the first update."""
+        trajectories = list(trajectories)
+        rates = config.learning_rates(len(trajectories))
+        size = config.resolved_batch_size()
+        counts: dict[str, float] = {}
+        batches: list[tuple[list[TrainingSequence], float]] = []
+        uncut = 0
+        for index, rate in enumerate(rates):
+            sequences, report = sft_sequences(
+                trajectories[index * size : (index + 1) * size],
+                self.tokenizer,
+                max_seq_len=max_seq_len,
+                chat_template_kwargs=chat_template_kwargs,
+            )
+            for key, value in report.counts().items():
+                counts[key] = counts.get(key, 0.0) + float(value)
+            uncut = max([uncut, *(c.length for c in report.cut)])
+            batches.append((sequences, rate))
+        if budget is not None:
+            every = [s for sequences, _ in batches for s in sequences]
+            budget.check_sequences(every, uncut, ModelShape.of(self.model), self.optim.micro_batch_size)
+        return PreparedSFT(batches=batches, counts=counts)
 
     def _sft_update(
         self,

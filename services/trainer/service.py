@@ -342,6 +342,8 @@ class Trainer(ConsumingService):
         if already is not None:  # crashed after saving, before recording: publish what was saved
             new_step, metrics = already
         else:
+            # Tokenized and measured before inference is paused: a refusal never pauses it.
+            prepared = await self._refusing(self._prepare(policy, step, request, record, groups))
             async with self._hold_inference(request) as lease:
                 pause_s = time.monotonic() - started
                 result, extra = await self._refusing(
@@ -351,8 +353,8 @@ class Trainer(ConsumingService):
                         request,
                         record,
                         groups,
-                        budget=self.budget,
                         should_stop=self.stopping.is_set,
+                        prepared=prepared,
                     )
                 )
                 new_step = step + 1
@@ -437,10 +439,11 @@ class Trainer(ConsumingService):
         record: ModelRecord,
         groups: list,
         *,
-        budget: StepBudget | None = None,
         should_stop: Callable[[], bool] | None = None,
+        prepared=None,
     ) -> tuple:
         """The optimizer work of one request, in a thread; returns its result and extra metrics.
+        ``prepared``: its sequences, from ``_prepare`` (else the policy makes them).
 
         Prompts are rendered with the model's ``chat_template_kwargs``, the ones the SDK sends
         with every completion request: inference rendered the sampled turns' prompts with them."""
@@ -453,8 +456,8 @@ class Trainer(ConsumingService):
                 request.config,
                 max_seq_len=self.settings.max_seq_len,
                 chat_template_kwargs=template,
-                budget=budget,
                 should_stop=should_stop,
+                prepared=prepared,
             )
             return result, {}
         extra: dict[str, float] = {}
@@ -475,10 +478,39 @@ class Trainer(ConsumingService):
             temperature=self.settings.temperature,
             off_policy=off_policy,
             chat_template_kwargs=template,
-            budget=budget,
             should_stop=should_stop,
+            prepared=prepared,
         )
         return result, extra
+
+    async def _prepare(self, policy, step: int, request: TrainRequest, record: ModelRecord, groups: list):
+        """The request's sequences, made and checked against the budgets (``BudgetExceeded``)."""
+        template = record.chat_template_kwargs
+        if isinstance(request, TrainSFTRequested):
+            trajectories = [t for group in groups for t in group]
+            return await asyncio.to_thread(
+                policy.prepare_sft,
+                trajectories,
+                request.config,
+                max_seq_len=self.settings.max_seq_len,
+                chat_template_kwargs=template,
+                budget=self.budget,
+            )
+        if is_off_policy(request):  # the groups _step will train on
+            groups, _ = drop_stale(
+                groups,
+                model=request.model,
+                current_step=step,
+                max_steps_off_policy=request.max_steps_off_policy,
+            )
+        return await asyncio.to_thread(
+            policy.prepare_step,
+            groups,
+            request.config,
+            max_seq_len=self.settings.max_seq_len,
+            chat_template_kwargs=template,
+            budget=self.budget,
+        )
 
 
 def is_off_policy(request: TrainRequest) -> bool:
