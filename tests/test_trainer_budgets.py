@@ -310,3 +310,40 @@ async def test_a_record_never_points_the_trainer_at_a_file_or_another_projects_c
         assert isinstance(failed, TrainFailed) and not failed.retriable, (base_model, listed, failed)
         assert reason in failed.error, (base_model, listed, failed.error)
     assert not (Path(settings.checkpoint_dir) / PROJECT).exists()  # nothing trained for it
+
+
+def test_a_warm_start_is_allowed_from_the_projects_own_adapters_only(tmp_path):
+    """Pure rules: the project's own checkpoints and warm-start directory (on a listed base), never
+    another project's, nor a link that leads out of its own, nor a name off the list."""
+    import json
+
+    from artery.services.trainer.base_models import BaseModelRefused, check_base_model
+
+    def adapter(path: Path, base: str = TINY) -> Path:
+        path.mkdir(parents=True)
+        (path / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": base}))
+        return path
+
+    settings = TrainerSettings(checkpoint_dir=str(tmp_path / "ckpt"), warm_start_dir=str(tmp_path / "warm"))
+    check_base_model(settings, "mine", TINY)
+    check_base_model(settings, "mine", str(adapter(tmp_path / "warm" / "mine" / "sft")))
+    check_base_model(settings, "mine", str(adapter(tmp_path / "ckpt" / "mine" / "m" / "000003" / "adapter")))
+    theirs = adapter(tmp_path / "warm" / "theirs" / "sft")
+    (tmp_path / "warm" / "mine" / "link").symlink_to(theirs)
+    refused = {
+        str(theirs): "is not one of project 'mine''s own adapters",
+        str(tmp_path / "warm" / "mine" / "link"): "is not one of project 'mine''s own adapters",
+        str(
+            tmp_path / "warm" / "mine" / ".." / "theirs" / "sft"
+        ): "is not one of project 'mine''s own adapters",
+        str(adapter(tmp_path / "warm" / "mine" / "odd", base="someone/else")): "which is not allowed",
+        str(tmp_path / "elsewhere"): "is a path, and not a directory of weights",
+        "Qwen/Qwen3-0.6B": "not allowed on this trainer",
+    }
+    for base_model, reason in refused.items():
+        with pytest.raises(BaseModelRefused, match=reason.replace("(", r"\(")):
+            check_base_model(settings, "mine", base_model)
+    anything = msgspec.structs.replace(settings, base_models="*")
+    check_base_model(anything, "mine", "Qwen/Qwen3-0.6B")
+    with pytest.raises(BaseModelRefused, match="own adapters"):
+        check_base_model(anything, "mine", str(theirs))
