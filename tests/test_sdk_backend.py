@@ -8,6 +8,7 @@ import json
 import asyncpg
 
 import artery as art
+from artery.examples_support import TINY
 from tests.test_collector import wait_for
 
 
@@ -28,7 +29,7 @@ async def rollout(i: int) -> art.Trajectory:
 
 async def test_local_backend_starts_the_stack_and_stores_published_groups(tmp_path):
     backend = art.LocalBackend(path=tmp_path / "artery", start_inference=False)
-    model = art.TrainableModel(name="agent", project="sdk", base_model="tiny")
+    model = art.TrainableModel(name="agent", project="sdk", base_model=TINY)
     try:
         await model.register(backend)
         assert await model.get_step() == 0
