@@ -176,3 +176,21 @@ async def test_a_trainer_asked_to_stop_mid_step_stops_within_its_grace(
         assert info.ack_floor.stream_seq < ack.seq  # handed back, not acknowledged
     finally:
         process.stop()
+
+
+def test_handed_back_requests_of_one_project_are_spread_out():
+    """A project's flood cannot fill every window: its ready requests beyond the first two, and
+    its waiting ones, come back further and further apart; a wait never runs past its end."""
+    from artery.services.trainer.schedule import GROUP_RECHECK_S, Later, RoundRobin, recheck_delay
+
+    assert [Later(rank).delay_s for rank in range(5)] == [0.0, 0.0, 1.0, 2.0, 3.0]
+    assert recheck_delay(0.0, 120.0) == 0.1  # just published: its groups may land any moment
+    assert recheck_delay(100.0, 120.0) == GROUP_RECHECK_S
+    assert recheck_delay(100.0, 120.0, rank=9) == 10 * GROUP_RECHECK_S
+    assert recheck_delay(100.0, 120.0, rank=50) == 20.0  # answered when its wait runs out
+    order = RoundRobin()
+    assert order.pick(["a", "a", "b"]) == 0
+    order.served("a")
+    assert order.pick(["a", "a", "b"]) == 2
+    order.served("b")
+    assert order.pick(["b", "a"]) == 1

@@ -12,6 +12,12 @@ was published; the requests that were ready but not picked are handed back at on
 Both are settled before the picked request trains, so none of them sits unacknowledged for the
 length of a step. Neither counts as a failure of the message (the consumer's poison count is for
 errors, not waits).
+
+JetStream hands redeliveries out before new messages, so a project's flood handed back at once
+would fill every window and hide the requests behind it. Handed-back requests of one project are
+therefore spread out: its first two ready ones come back at once (the trainer never idles), the
+rest one ``LATER_SPACING_S`` apart; its n-th waiting one stays away n times as long as one alone
+would. A flood then costs its own project time, and the window keeps reaching newer requests.
 """
 
 from __future__ import annotations
@@ -29,6 +35,9 @@ from artery.shared.metrics import MESSAGES
 #: the SDK publishes them just before the request), and at most GROUP_RECHECK_S.
 FIRST_RECHECK_S = 0.1
 GROUP_RECHECK_S = 2.0
+#: Ready requests of one project handed back at once; the later ones come back this far apart.
+READY_AT_ONCE = 2
+LATER_SPACING_S = 1.0
 
 
 class Deferred(Exception):
@@ -40,19 +49,23 @@ class Deferred(Exception):
 
 
 class Later(Deferred):
-    """Ready, but another project's request was picked: back to the queue at once."""
+    """Ready, but another request was picked: back to the queue, at once for a project's first
+    ``READY_AT_ONCE``, spaced out after them (``rank``: 0 for its first handed back)."""
 
-    def __init__(self) -> None:
-        super().__init__("another project's request runs first", 0.0)
+    def __init__(self, rank: int = 0) -> None:
+        super().__init__("another request runs first", max(0, rank - READY_AT_ONCE + 1) * LATER_SPACING_S)
 
 
 class Settled(Exception):
     """Already acknowledged, nakked or dead-lettered by the handler: nothing left to do."""
 
 
-def recheck_delay(age_s: float) -> float:
-    """How long a request waiting for its groups stays away: short at first, growing with its age."""
-    return min(max(age_s / 4, FIRST_RECHECK_S), GROUP_RECHECK_S)
+def recheck_delay(age_s: float, wait_s: float, rank: int = 0) -> float:
+    """How long a request waiting for its groups stays away: short at first, growing with its age,
+    times its rank among its project's waiting requests (1 for the first), and never past the end
+    of its wait (``wait_s`` after it was published), when it is answered."""
+    alone = min(max(age_s / 4, FIRST_RECHECK_S), GROUP_RECHECK_S)
+    return min(alone * (rank + 1), max(wait_s - age_s, FIRST_RECHECK_S))
 
 
 @dataclass

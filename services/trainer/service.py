@@ -30,6 +30,7 @@ import contextlib
 import math
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -169,11 +170,14 @@ class Trainer(ConsumingService):
         still waiting for groups, run one of the ready ones (``schedule.py``), hand back the rest."""
         outcomes: list[BaseException | None] = [None] * len(msgs)
         ready: list[tuple[int, TrainRequest]] = []
+        waiting: Counter[str] = Counter()  # per project, to spread its waiting requests out
         for index, msg in enumerate(msgs):
             try:
                 request = self._decode(msg)
                 if await self._waits_for_groups(msg, request):
-                    outcomes[index] = Deferred("groups not stored yet", recheck_delay(_age_s(msg)))
+                    delay = recheck_delay(_age_s(msg), self.settings.group_wait_s, waiting[request.project])
+                    waiting[request.project] += 1
+                    outcomes[index] = Deferred("groups not stored yet", delay)
                 else:
                     ready.append((index, request))
             except Exception as exc:  # this message's own outcome, whatever it is (errors.py)
@@ -182,9 +186,12 @@ class Trainer(ConsumingService):
             return outcomes
         chosen = self.round_robin.pick([request.project for _, request in ready])
         consumer = self.consumers[0]
-        for position, (index, _) in enumerate(ready):
+        handed_back: Counter[str] = Counter()
+        for position, (index, other) in enumerate(ready):
             if position != chosen:
-                outcomes[index] = await consumer.settle_now(msgs[index], Later())
+                later = Later(handed_back[other.project])
+                handed_back[other.project] += 1
+                outcomes[index] = await consumer.settle_now(msgs[index], later)
         for index, _ in enumerate(msgs):
             if isinstance(outcomes[index], Deferred):
                 outcomes[index] = await consumer.settle_now(msgs[index], outcomes[index])
