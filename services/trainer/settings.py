@@ -29,7 +29,12 @@ class TrainerSettings(msgspec.Struct, kw_only=True, frozen=True):
     pause_lease_s: Annotated[float, doc("lease of the inference pause; renewed while training", gt=0)] = 120.0
     pause_timeout_s: Annotated[float, doc("how long to wait for every replica's pause ack", gt=0)] = 30.0
     group_wait_s: Annotated[
-        float, doc("how long a train request waits for its groups to be stored", gt=0)
+        float,
+        doc(
+            "how long a train request may wait for its groups to be stored (handed back meanwhile:"
+            " it never holds the trainer); then train.failed, retriable",
+            gt=0,
+        ),
     ] = 120.0
     ack_wait_s: Annotated[
         float,
