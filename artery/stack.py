@@ -23,15 +23,13 @@ import json
 import os
 import secrets
 import signal
-import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from artery.service_process import ServiceProcess
-from artery.shared.embedded import NatsServer, PostgresServer, postgres_bin_dir
+from artery.shared.embedded import NatsServer, PostgresServer
 
 #: Every model-independent service, in start order. Inference replicas serve one model each and
 #: are started per model (``LocalBackend.register``, ``artery up --serve``).
@@ -220,7 +218,7 @@ class Stack:
             self.postgres = PostgresServer(
                 self.home / "postgres", log_file=self.logs / "postgres.log", durable=self.durable
             ).start()
-            _create_database(self.postgres, DATABASE)
+            self.postgres.create_database(DATABASE)
             self.database_url = self.postgres.dsn(DATABASE)
 
     def _undo_start(self) -> None:
@@ -368,41 +366,3 @@ class Stack:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def _create_database(server: PostgresServer, name: str) -> None:
-    exists = subprocess.run(
-        [
-            str(postgres_bin_dir() / "psql"),
-            server.dsn(),
-            "-tAc",
-            f"SELECT 1 FROM pg_database WHERE datname = '{name}'",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    if not exists:
-        subprocess.run(
-            [
-                str(postgres_bin_dir() / "createdb"),
-                "-h",
-                "127.0.0.1",
-                "-p",
-                str(server.port),
-                "-U",
-                "postgres",
-                name,
-            ],
-            check=True,
-            capture_output=True,
-        )
-
-
-def wait_until(predicate, timeout: float, interval: float = 0.05, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(interval)
-    raise TimeoutError(f"{what} not met within {timeout}s")

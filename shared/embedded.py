@@ -355,6 +355,35 @@ class PostgresServer:
     def dsn(self, database: str = "postgres") -> str:
         return f"postgresql://postgres@127.0.0.1:{self.port}/{database}"
 
+    def create_database(self, name: str) -> None:
+        """Create database ``name`` unless it exists (a restarted stack keeps its data)."""
+        exists = subprocess.run(
+            [
+                str(postgres_bin_dir() / "psql"),
+                self.dsn(),
+                "-tAc",
+                f"SELECT 1 FROM pg_database WHERE datname = '{name}'",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        if not exists:
+            subprocess.run(
+                [
+                    str(postgres_bin_dir() / "createdb"),
+                    "-h",
+                    "127.0.0.1",
+                    "-p",
+                    str(self.port),
+                    "-U",
+                    "postgres",
+                    name,
+                ],
+                check=True,
+                capture_output=True,
+            )
+
     def _chown(self, path: Path) -> None:
         if self.uid is not None:
             os.chown(path, self.uid, self.gid)
