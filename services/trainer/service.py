@@ -21,6 +21,10 @@ never trains twice; a trainer that dies mid-step leaves inference paused no long
 Tracing: each request is handled in a ``trainer.step`` span, the child of the span that published
 ``train.requested`` (the SDK's ``train()``), with a link to every group's submission (the
 ``Artery-Trace-Links`` header); ``checkpoint.saved`` and ``train.completed`` carry the step's context.
+
+Long module: one request's life from delivery to outcome, whose order is the guarantee (nothing is
+loaded before the budgets, inference is paused only for a request that can train); the rules it
+applies live beside it in schedule.py, budgets.py, base_models.py and announce.py.
 """
 
 from __future__ import annotations
