@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
-import logging
 import os
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
@@ -26,8 +25,9 @@ import msgspec
 import nats
 from opentelemetry import trace
 
-from artery.backend_api import TrainingFailed, TrainResult, describe_drops, dropped_sequences
+from artery.backend_api import TrainingFailed, TrainResult
 from artery.dev import train_config_fields
+from artery.s3_backend import S3Transport
 from artery.schemas import (
     LoraSpec,
     ModelRecord,
@@ -57,6 +57,7 @@ from artery.shared.tracing import (
     tracer,
 )
 from artery.shared.wakeup import woken_by
+from artery.step_report import report_step
 from artery.trajectories import Trajectory, TrajectoryGroup, require_rewards
 from artery.utils.model_files import jsonable
 
@@ -71,45 +72,11 @@ _tracer = tracer("artery.sdk")
 _RECHECK_S = 2.0
 #: Set by ``train()``: where ``publish`` notes the span of each submission.
 _submissions: contextvars.ContextVar[list | None] = contextvars.ContextVar("artery_submissions", default=None)
-#: Where a step that trained nothing (or lost sequences) is reported: a warning, which Python
-#: prints to stderr when the program configured no logging.
-log = logging.getLogger(__name__)
 
 
-def report_step(model: Model, result: TrainResult) -> None:
-    """Say it when a step trained nothing, or dropped trainable sequences.
-
-    The step counter advances all the same, and a checkpoint is made of the unchanged adapter: ART's
-    ``LocalBackend`` does so since its step-skipping change (``src/art/test/test_step_skipping.py``:
-    0 -> 1 trained -> 2 skipped -> 3 trained, checkpoint 0002 being 0001's weights), so that
-    ``get_step()`` counts the calls to ``train()`` and a program's own step arithmetic holds. What
-    ART only prints ("Skipping tuning as there is no suitable data"), Artery also says in the result
-    (``trained``, ``skip_reason``)."""
-    name = f"{model.project}/{model.name}"
-    if not result.trained:
-        log.warning(
-            "artery: step %d of %s trained nothing (tokens trained: %d): %s. The step advanced all "
-            "the same (as ART's does); the adapter is unchanged.",
-            result.step,
-            name,
-            int(result.metrics.get("tokens_trained", 0)),
-            result.skip_reason,
-        )
-        return
-    dropped = dropped_sequences(result.metrics)
-    if dropped:
-        log.warning(
-            "artery: step %d of %s trained %d tokens, but dropped %d trainable sequences: %s",
-            result.step,
-            name,
-            int(result.metrics.get("tokens_trained", 0)),
-            sum(dropped.values()),
-            describe_drops(dropped),
-        )
-
-
-class Backend:
-    """A connection to a running Artery over NATS."""
+class Backend(S3Transport):
+    """A connection to a running Artery over NATS; ART's ``_experimental_*`` S3 entry points
+    come from ``S3Transport``."""
 
     def __init__(
         self,
@@ -417,82 +384,3 @@ class Backend:
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
-
-    # ART's checkpoint transport (``artery.s3``): ART's bucket layout and BACKUP_BUCKET, any
-    # S3-compatible store through boto3 (``artery[s3]``). Only thin entry points here.
-
-    async def _experimental_push_to_s3(
-        self,
-        model: Model,
-        *,
-        s3_bucket: str | None = None,
-        prefix: str | None = None,
-        verbose: bool = False,
-        delete: bool = False,
-    ) -> None:
-        """Upload the model directory (history, trajectories) and every step the publisher keeps,
-        adapter and trainer state, to ``s3://{bucket}/{prefix/}{project}/models/{name}/``."""
-        from artery import s3
-
-        await s3.push(self, model, s3_bucket=s3_bucket, prefix=prefix, verbose=verbose, delete=delete)
-
-    async def _experimental_pull_from_s3(
-        self,
-        model: Model,
-        step: int | None = None,
-        s3_bucket: str | None = None,
-        prefix: str | None = None,
-        verbose: bool = False,
-        delete: bool = False,
-        *,
-        only_step: int | str | None = None,  # a step, "latest" or None (all)
-        exclude: list[str] | None = None,
-        latest_only: bool = False,
-    ) -> None:
-        """Download the model directory from S3; the newest step pulled becomes the model's
-        current step when it is newer than the one here (served, and trained on from there).
-        ``step`` and ``latest_only`` are ART's older spellings of ``only_step``."""
-        from artery import s3
-
-        if step is not None and only_step is not None and step != only_step:
-            raise ValueError(f"step={step} and only_step={only_step!r} disagree: give one")
-        only_step = only_step if only_step is not None else step
-        if latest_only and only_step is None:
-            only_step = "latest"
-        await s3.pull(
-            self,
-            model,
-            s3_bucket=s3_bucket,
-            prefix=prefix,
-            verbose=verbose,
-            delete=delete,
-            only_step=only_step,
-            exclude=exclude or (),
-        )
-
-    async def _experimental_deploy(
-        self,
-        deploy_to,
-        model: Model,
-        step: int | None = None,
-        s3_bucket: str | None = None,
-        prefix: str | None = None,
-        verbose: bool = False,
-        pull_s3: bool = True,
-        wait_for_completion: bool = True,
-    ):
-        """ART's deploy up to the vendor's API: the step's adapter zipped into the bucket with a
-        presigned URL; then ``artery.s3.DeploymentUnsupported`` (carrying them), since Artery
-        calls no vendor's API. ``wait_for_completion`` has nothing to wait for."""
-        from artery import s3
-
-        await s3.deploy(
-            self,
-            deploy_to,
-            model,
-            step=step,
-            s3_bucket=s3_bucket,
-            prefix=prefix,
-            verbose=verbose,
-            pull_s3=pull_s3,
-        )
