@@ -264,6 +264,9 @@ class Stack:
                 "ARTERY_TRAINER_CHECKPOINT_DIR": str(self.home / "checkpoints"),
             }
         )
+        # Artery's services never download weights (register() checks the base model is on this
+        # machine): without this, a name missing from the cache costs a minute of hub retries.
+        env.setdefault("HF_HUB_OFFLINE", "1")
         env.update(self.extra_env)
         if self.secure:
             if service is None:

@@ -228,3 +228,12 @@ def test_a_signal_handler_the_program_set_is_kept_and_the_hooks_run_when_it_ends
     out, err = proc.communicate(timeout=END_TIMEOUT_S)
     assert proc.returncode == 0, err.decode()
     assert out.decode().splitlines() == ["handled by the program, still running", "hook ran"]
+
+
+def test_services_never_reach_for_a_model_hub(tmp_path, monkeypatch):
+    """A base model missing from the local cache fails at once in a service, not after a minute of
+    hub retries; an operator's own HF_HUB_OFFLINE is kept."""
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    assert Stack(home=tmp_path / "a").service_env()["HF_HUB_OFFLINE"] == "1"
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    assert Stack(home=tmp_path / "b").service_env()["HF_HUB_OFFLINE"] == "0"
