@@ -165,6 +165,29 @@ def check_msgpack(data: bytes, *, limit: int = MAX_NESTING) -> None:
         raise NestedTooDeeply(f"maps and arrays nest deeper than the limit of {limit}")
 
 
+class _Identified(msgspec.Struct):
+    id: str | None = None
+
+
+_identified_json = msgspec.json.Decoder(_Identified)
+_identified_msgpack = msgspec.msgpack.Decoder(_Identified)
+
+
+def event_id(data: bytes, content_type: str | None = JSON) -> str | None:
+    """The top-level ``id`` of a payload that was refused, for its dead letter; None when it has
+    none that can be read. Agents send no ``Nats-Msg-Id`` (JetStream's de-duplication window is
+    the stream's, so another tenant could squat an id), so this is how an operator finds which
+    event a letter is about."""
+    try:
+        if content_type == MSGPACK:
+            check_msgpack(data)
+            return _identified_msgpack.decode(data).id
+        check_json(data)
+        return _identified_json.decode(data).id
+    except (InvalidMessage, msgspec.DecodeError, ValueError, TypeError, RecursionError):
+        return None
+
+
 def nesting_depth(value: Any, limit: int = MAX_NESTING) -> int:
     """How deep dicts and lists nest in a decoded value (a scalar: 0), counted up to ``limit + 1``."""
     deepest = 0

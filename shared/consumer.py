@@ -29,6 +29,7 @@ from artery.schemas.base import NAME_PATTERN
 from artery.schemas.deadletter import UNKNOWN
 from artery.shared import subjects
 from artery.shared.bus import CONTENT_TYPE, MSG_ID, publish_event
+from artery.shared.codec import event_id
 from artery.shared.errors import DependencyUnavailable, Disposition, InvalidMessage, disposition
 from artery.shared.logs import get_logger
 from artery.shared.metrics import CONSUMER_LAG, DEAD_LETTERS, MESSAGES
@@ -247,7 +248,7 @@ def dead_letter_event(
         subject=msg.subject,
         stream=stream,
         stream_seq=stream_seq,
-        original_id=error.original_id or headers.get(MSG_ID),
+        original_id=error.original_id or headers.get(MSG_ID) or event_id(msg.data, headers.get(CONTENT_TYPE)),
         headers={k: v[:1024] for k, v in list(headers.items())[:32]},
         content_type=headers.get(CONTENT_TYPE),
         payload=msg.data[:payload_limit],

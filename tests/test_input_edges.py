@@ -29,7 +29,7 @@ from artery.schemas import DeadLetter, Trajectory
 from artery.services.trainer.staleness import sampled_step
 from artery.shared import metrics as metrics_server
 from artery.shared import subjects
-from artery.shared.codec import JSON, MAX_NESTING, MSGPACK, encode
+from artery.shared.codec import JSON, MAX_NESTING, MSGPACK, encode, event_id
 from artery.shared.control_client import live_replicas
 from artery.shared.served_name import parse_served_name
 from tests.factories import group
@@ -297,3 +297,13 @@ async def _dead_letters(js) -> list[DeadLetter]:
         message = await js.get_msg(subjects.DLQ.name, seq)
         letters.append(msgspec.json.decode(message.data, type=DeadLetter))
     return letters
+
+
+def test_a_dead_letter_names_the_refused_events_id_read_from_its_payload():
+    """Agents send no Nats-Msg-Id, so a letter finds the event's id in the payload when it can."""
+    event = group(PROJECT, MODEL, size=1)
+    assert event_id(encode(event), JSON) == event.id
+    assert event_id(encode(event, MSGPACK), MSGPACK) == event.id
+    assert event_id(b"[1, 2]", JSON) is None  # not an object: no id to tell
+    assert event_id(b"{" * (MAX_NESTING + 1), JSON) is None  # too deep is not parsed at all
+    assert event_id(b'{"id": "x", "k": "\xff"}', JSON) is None  # not UTF-8: refused unread
