@@ -47,7 +47,7 @@ prepare-model: $(SMOLLM2_STAMP)
 demo: prepare-model
 	$(PY) -m artery.demo $(DEMO_ARGS)
 
-# A multi-turn tool-using agent learns (README, "make demo-agent"); options in DEMO_AGENT_ARGS.
+# A multi-turn tool-using agent learns (docs/getting-started.md); options in DEMO_AGENT_ARGS.
 demo-agent: prepare-model
 	$(PY) -m artery.demo_agent $(DEMO_AGENT_ARGS)
 

@@ -7,7 +7,7 @@ the services (collector → reward → trainer).
 The ``artery`` folder is the SDK, the embedded stack and the ``artery`` command; the services,
 their plumbing and the wire contract install beside it as ``artery.services``,
 ``artery.shared`` and ``artery.schemas`` from the top-level ``services/``, ``shared/`` and
-``schemas/`` folders (the README's "Repository layout" maps every folder).
+``schemas/`` folders (docs/architecture/layout.md maps every folder).
 """
 
 from artery import dev, local, rewards, utils

@@ -170,7 +170,7 @@ def test_long_modules_say_why_they_are_one_module():
 
 def test_each_top_level_package_says_which_folder_it_is():
     """The mapping of import names onto folders is visible where a reader lands: each folder's
-    ``__init__`` docstring names both (the README's "Repository layout" maps them all)."""
+    ``__init__`` docstring names both (docs/architecture/layout.md maps them all)."""
     for folder, name in FOLDERS.items():
         doc = ast.get_docstring(ast.parse((ROOT / folder / "__init__.py").read_text())) or ""
         assert f"``{name}``" in doc or f"``import {name}" in doc, f"{folder}/__init__.py: name {name}"

@@ -9,7 +9,7 @@ from artery.demo_agent.run import run
 from artery.demo_agent.task import KINDS
 from artery.shared.models import SMOLLM2, TINY
 
-#: ``--model`` presets: the base model and the settings measured on two CPU cores (README).
+#: ``--model`` presets: the base model and the settings measured on two CPU cores (docs/results/).
 PRESETS: dict[str, dict] = {
     "smollm2": {
         "base_model": SMOLLM2,
