@@ -16,6 +16,8 @@ or fails a request again and again.
 
 from __future__ import annotations
 
+import asyncio
+
 import msgspec
 from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError
@@ -146,25 +148,50 @@ _NO_REGISTRY = (
 )
 
 
+#: One ask of the registry service for a replica list: a publisher that died with the request (or
+#: is restarting) is asked again within the caller's whole wait, not waited on for all of it.
+_REPLICAS_ATTEMPT_S = 2.0
+
+
 async def project_replicas(js: JetStreamContext, project: str, model: str, *, timeout_s: float = 10.0):
     """The live replicas of ``project``/``model``, read by the control plane on the caller's
     behalf (agents create no consumers). Where nobody answers (no publisher: a bare
-    ``nats-server`` in a test), they are read here, which only an unrestricted client may do."""
+    ``nats-server`` in a test), they are read here, which only an unrestricted client may do.
+
+    A publisher that is down or restarting is retried until ``timeout_s``: ``train()`` waits on
+    this list, and one publisher restart must not fail a step that trained."""
     from nats.errors import NoRespondersError
+    from nats.errors import TimeoutError as NatsTimeout
 
     from artery.shared.control_client import live_replicas
 
     request = ReplicasRequested(id=new_event_id(), project=project, model=model)
-    try:
-        reply = await js._nc.request(
-            subjects.replicas_request(project, model),
-            encode(request),
-            timeout=timeout_s,
-            headers=event_headers(request),
-        )
-    except NoRespondersError:
-        return await live_replicas(js, project, model)
-    answer = _replicas_decoder.decode(reply.data)
-    if answer.error is not None:
-        raise RuntimeError(f"listing the replicas of {project}/{model} failed: {answer.error}")
-    return answer.replicas
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        attempt_s = max(min(_REPLICAS_ATTEMPT_S, deadline - loop.time()), 0.05)
+        try:
+            reply = await js._nc.request(
+                subjects.replicas_request(project, model),
+                encode(request),
+                timeout=attempt_s,
+                headers=event_headers(request),
+            )
+        except NoRespondersError as exc:
+            try:
+                return await live_replicas(js, project, model)
+            except Exception:  # a client that may not read the bucket: wait for the publisher
+                failure: BaseException = exc
+        except NatsTimeout as exc:  # the publisher died holding the request, or is busy
+            failure = exc
+        else:
+            answer = _replicas_decoder.decode(reply.data)
+            if answer.error is not None:
+                raise RuntimeError(f"listing the replicas of {project}/{model} failed: {answer.error}")
+            return answer.replicas
+        if loop.time() >= deadline:
+            raise TimeoutError(
+                f"no registry service (the publisher) listed the replicas of {project}/{model}"
+                f" within {timeout_s}s: {failure!r}"
+            ) from failure
+        await asyncio.sleep(0.1)  # a publisher restarting: its subscription is back within seconds

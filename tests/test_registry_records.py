@@ -87,3 +87,29 @@ async def test_status_names_a_garbage_record_instead_of_crashing(stack, js):
     assert status.returncode == 0, status.stderr
     assert f"{PROJECT}.{MODEL}" in status.stdout and "no valid record" in status.stdout
     assert "Traceback" not in status.stderr
+
+
+async def test_a_replica_list_survives_a_publisher_that_died_holding_the_request(nc, js):
+    """train() waits on this list: a publisher killed mid-request (no reply ever comes) is asked
+    again within the caller's wait, and the restarted one answers (chaos met this in CI)."""
+    from artery.schemas import ReplicasListed, ReplicasRequested
+    from artery.shared.codec import EventDecoder, encode
+    from artery.shared.registry import project_replicas
+
+    asked: list[str] = []
+    decoder = EventDecoder(ReplicasRequested)
+
+    async def publisher(msg) -> None:
+        request = decoder.decode(msg.data)
+        asked.append(request.id)
+        if len(asked) == 1:
+            return  # died holding it: no reply
+        listed = ReplicasListed(id=new_event_id(), project="p", model="m", replicas=[])
+        await msg.respond(encode(listed))
+
+    sub = await nc.subscribe(subjects.replicas_request("p", "m"), cb=publisher)
+    try:
+        assert await project_replicas(js, "p", "m", timeout_s=10.0) == []
+        assert len(asked) == 2 and asked[0] == asked[1]  # the same request, asked again
+    finally:
+        await sub.unsubscribe()
