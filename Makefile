@@ -43,13 +43,13 @@ $(SMOLLM2_STAMP): $(STAMP)
 prepare-model: $(SMOLLM2_STAMP)
 	$(PY) -m artery.shared.smollm2 --download
 
-# Options go in DEMO_ARGS, e.g. make demo DEMO_ARGS="--model tiny" (see python -m artery.demo --help).
+# Options go in DEMO_ARGS, e.g. make demo DEMO_ARGS="--model tiny" (see python -m artery.demos.demo --help).
 demo: prepare-model
-	$(PY) -m artery.demo $(DEMO_ARGS)
+	$(PY) -m artery.demos.demo $(DEMO_ARGS)
 
 # A multi-turn tool-using agent learns (docs/getting-started.md); options in DEMO_AGENT_ARGS.
 demo-agent: prepare-model
-	$(PY) -m artery.demo_agent $(DEMO_AGENT_ARGS)
+	$(PY) -m artery.demos.demo_agent $(DEMO_AGENT_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -26,9 +26,9 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from artery.ops.stack import ServiceProcess, Stack
 from artery.schemas import Message, Sample, Trajectory, TrajectoryGroupSubmitted, new_event_id
 from artery.shared.embedded import postgres_bin_dir
-from artery.stack import ServiceProcess, Stack
 from loadtests import RESULTS_DIR
 
 #: A service slow to exit on SIGTERM once the figures are taken is killed after this, not waited for.

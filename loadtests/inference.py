@@ -2,7 +2,7 @@
 
 What runs: a private nats-server and PostgreSQL under a temporary directory and two inference
 replicas (``python -m artery.services.inference``, transformers engine, CPU unless
-``ARTERY_INFERENCE_DEVICE`` says otherwise) for one model, started by ``artery.stack.Stack``.
+``ARTERY_INFERENCE_DEVICE`` says otherwise) for one model, started by ``artery.ops.stack.Stack``.
 
 What is measured:
 
@@ -56,6 +56,7 @@ from pathlib import Path
 
 import httpx
 
+from artery.ops.stack import Stack
 from artery.schemas import CheckpointPublished, new_event_id
 from artery.shared import bus, subjects
 from artery.shared.adapters import pack_adapter, put_adapter, sha256_hex
@@ -63,7 +64,6 @@ from artery.shared.control_client import live_replicas, pause_replicas, resume_r
 from artery.shared.embedded import stop_process
 from artery.shared.models import SMOLLM2, TINY, resolve_base_model
 from artery.shared.settings import CommonSettings
-from artery.stack import Stack
 from loadtests import harness
 from loadtests.harness import (
     STOP_TIMEOUT_S,
@@ -649,8 +649,8 @@ def vllm_vs_serve(base_model: str, concurrency: int, rounds: int, max_tokens: in
     vllm.entrypoints.openai.api_server`` from the same venv, same weights and engine settings;
     rounds of ``concurrency`` chats to each in turn. Adds ``vllm_vs_vllm_serve`` (the tokens/s
     ratio, Artery over vLLM's server) and ``vllm_cpu`` (the figures) to ``output``."""
+    from artery.ops.stack import inference_python
     from artery.shared.embedded import free_port
-    from artery.stack import inference_python
 
     python = inference_python({**os.environ, "ARTERY_INFERENCE_ENGINE": "vllm"})
     load_before = load_average()

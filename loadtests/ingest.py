@@ -2,7 +2,7 @@
 
 What runs: a private nats-server (JetStream, file store) and a private PostgreSQL cluster under a
 temporary directory, and the real collector service as a child process
-(``python -m artery.services.collector``), all started by ``artery.stack.Stack``.
+(``python -m artery.services.collector``), all started by ``artery.ops.stack.Stack``.
 
 What is measured, on the same server, with the same encoded payloads:
 
@@ -43,6 +43,7 @@ import msgspec
 import nats
 from nats.js.api import RetentionPolicy, StorageType, StreamConfig
 
+from artery.ops.stack import Stack
 from artery.schemas import TrajectoryGroupSubmitted
 from artery.services.collector.settings import PREFIX as COLLECTOR_PREFIX
 from artery.services.collector.settings import CollectorSettings
@@ -51,7 +52,6 @@ from artery.shared.bus import DUPLICATE_WINDOW_S, event_headers
 from artery.shared.codec import encode
 from artery.shared.embedded import nats_server_binary
 from artery.shared.settings import load
-from artery.stack import Stack
 from loadtests import harness
 from loadtests.harness import (
     CpuMeter,

@@ -1,7 +1,7 @@
 """Soak: steady ingest at ~80 % of the measured maximum for minutes; throughput, latency, memory.
 
 What runs: the same private stack as the ingest benchmark (nats-server, durable PostgreSQL and the
-real collector process, started by ``artery.stack.Stack``) and, in this process, a publisher of
+real collector process, started by ``artery.ops.stack.Stack``) and, in this process, a publisher of
 trajectory groups of the ingest benchmark's shape (``loadtests.ingest``: ~2.1 KB trajectories of
 10 messages, ``--group-size`` a group).
 
@@ -42,11 +42,11 @@ import asyncpg
 import msgspec
 import nats
 
+from artery.ops.stack import Stack
 from artery.schemas import new_event_id, utcnow
 from artery.shared import subjects
 from artery.shared.bus import MSG_ID, event_headers
 from artery.shared.codec import encode
-from artery.stack import Stack
 from loadtests import harness
 from loadtests.harness import (
     argv_of,

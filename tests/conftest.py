@@ -21,13 +21,13 @@ from pathlib import Path
 import asyncpg
 import pytest
 
+from artery.ops.stack import Stack
 from artery.services.collector.service import Collector
 from artery.services.collector.settings import CollectorSettings
 from artery.shared import bus
 from artery.shared.db import init_connection, migrate
 from artery.shared.embedded import NatsServer, PostgresServer
 from artery.shared.settings import CommonSettings
-from artery.stack import Stack
 
 # litellm would fetch its price map from the internet at import time.
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")

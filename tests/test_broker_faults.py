@@ -26,8 +26,8 @@ from artery.services.collector.service import Collector
 from artery.services.collector.settings import CollectorSettings
 from artery.shared import bus, subjects
 from artery.shared.bus import publish_event
-from artery.shared.cluster import NatsCluster
 from artery.shared.settings import CommonSettings
+from artery.testing.cluster import NatsCluster
 from tests.factories import group
 from tests.test_collector import wait_for
 

@@ -11,7 +11,7 @@ import threading
 import time
 from pathlib import Path
 
-ARTERY = [sys.executable, "-m", "artery.cli"]
+ARTERY = [sys.executable, "-m", "artery.ops.cli"]
 
 
 def read_until(proc: subprocess.Popen, pattern: str, timeout: float = 60.0) -> str:
@@ -132,7 +132,7 @@ def test_nats_config_is_a_valid_server_config_with_a_secret_per_user(tmp_path):
         [
             sys.executable,
             "-m",
-            "artery.cli",
+            "artery.ops.cli",
             "nats-config",
             "--project",
             "demo",
@@ -160,11 +160,19 @@ def test_nats_config_is_a_valid_server_config_with_a_secret_per_user(tmp_path):
 def test_provision_creates_every_stream(nats_server):
     env = {**os.environ, "ARTERY_NATS_URL": nats_server.url}
     out = subprocess.run(
-        [sys.executable, "-m", "artery.cli", "provision"], env=env, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "artery.ops.cli", "provision"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert out.returncode == 0 and "provisioned" in out.stdout, out.stderr[-2000:]
     jsz = subprocess.run(
-        [sys.executable, "-m", "artery.cli", "status"], env=env, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "artery.ops.cli", "status"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     for stream in (
         "ARTERY_TRAJECTORIES",
@@ -193,7 +201,7 @@ def test_status_says_which_server_and_when_it_is_not_an_artery_stack(nats_server
 def test_replay_and_export_model_act_as_a_secure_stacks_admin(tmp_path, monkeypatch):
     """`artery up --secure` keeps the admin's password beside the stack: replay and export-model
     connect with it, as `artery status` does, unless ARTERY_NATS_USER says otherwise."""
-    from artery.cli import _nats_and_database
+    from artery.ops.cli import _nats_and_database
     from artery.shared.auth import nats_connect_options
     from artery.shared.settings import CommonSettings
 

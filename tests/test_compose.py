@@ -694,7 +694,7 @@ def test_each_service_connects_as_its_own_nats_user_and_sees_its_own_password_on
     assert SERVICES[the_service("nats")]["depends_on"][NATS_USERS]["condition"] == (
         "service_completed_successfully"
     )
-    assert module_of(writer) == module_of(SERVICES[PROVISION]) == "artery.cli"
+    assert module_of(writer) == module_of(SERVICES[PROVISION]) == "artery.ops.cli"
 
 
 class FakeRoot:

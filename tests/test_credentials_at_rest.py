@@ -14,12 +14,12 @@ import bcrypt
 import nats
 import pytest
 
-from artery.cli import main
+from artery.ops.cli import main
+from artery.ops.stack import Stack
 from artery.shared.auth import nats_connect_options
 from artery.shared.embedded import NatsServer, write_private
 from artery.shared.permissions import BCRYPT_COST
 from artery.shared.settings import CommonSettings
-from artery.stack import Stack
 
 PROJECT = "demo"
 USERS = {"admin", "console", "collector", "reward", "trainer", "publisher", "inference", f"agent-{PROJECT}"}

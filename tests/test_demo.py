@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from artery import demo
+from artery.demos import demo
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -10,9 +10,9 @@ import re
 import msgspec
 import pytest
 
-from artery.demo_agent import agent, cli, task
-from artery.demo_agent.run import question_sets, run
-from artery.demo_agent.task import Episode, ToolResult, reward, reward_parts, run_tool
+from artery.demos.demo_agent import agent, cli, task
+from artery.demos.demo_agent.run import question_sets, run
+from artery.demos.demo_agent.task import Episode, ToolResult, reward, reward_parts, run_tool
 from artery.testing.judge import serve_scripted_judge
 from tests.example_helpers import scores_by_id
 

@@ -50,7 +50,7 @@ def test_configuration_page_lists_every_setting_of_every_service():
 
 
 def test_configuration_page_lists_what_artery_config_prints(capsys):
-    from artery.cli import cmd_config
+    from artery.ops.cli import cmd_config
 
     cmd_config(None)
     printed = re.findall(r"^(ARTERY_\w+)", capsys.readouterr().out, flags=re.M)

@@ -1,5 +1,5 @@
 """The embedded servers start without port races and clean up after themselves (``shared.embedded``,
-``shared.cluster``): nats-server binds ports of its own choosing, PostgreSQL moves off a port taken
+``artery.testing.cluster``): nats-server binds ports of its own choosing, PostgreSQL moves off a port taken
 before it could bind it, a failed start says why in the server's own words and leaves nothing
 running, and a restarted cluster node comes back where its clients look."""
 
@@ -11,10 +11,10 @@ import subprocess
 
 import pytest
 
+from artery.ops.stack import Stack
 from artery.shared import embedded
-from artery.shared.cluster import ClusterNode, NatsCluster
 from artery.shared.embedded import NatsServer, PortInUseError, PostgresServer
-from artery.stack import Stack
+from artery.testing.cluster import ClusterNode, NatsCluster
 
 
 @pytest.fixture

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-import artery.stack as stack_module
-from artery.cli import main as artery_main
-from artery.stack import EngineUnavailable, Stack, inference_python
+import artery.ops.stack as stack_module
+from artery.ops.cli import main as artery_main
+from artery.ops.stack import EngineUnavailable, Stack, inference_python
 
 VLLM_HERE = importlib.util.find_spec("vllm") is not None
 

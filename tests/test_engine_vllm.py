@@ -31,6 +31,7 @@ import time
 import httpx
 import pytest
 
+from artery.ops.stack import VLLM_VENV, Stack
 from artery.schemas import CheckpointDeleted, CheckpointPublished, new_event_id
 from artery.shared import bus, subjects
 from artery.shared.adapters import pack_adapter, put_adapter, sha256_hex
@@ -38,7 +39,6 @@ from artery.shared.control_client import live_replicas, pause_replicas, resume_r
 from artery.shared.embedded import NatsServer, free_port
 from artery.shared.models import SMOLLM2
 from artery.shared.settings import CommonSettings
-from artery.stack import VLLM_VENV, Stack
 
 #: ``make test-vllm`` sets it; there a missing ``.venv-vllm`` is an error, never a skip.
 OPTED_IN = os.environ.get("ARTERY_TEST_VLLM") == "1"

@@ -66,7 +66,7 @@ async def test_export_reads_back_with_every_column(js, db, database_url, run_col
     env = {**os.environ, "ARTERY_DATABASE_URL": database_url, "ARTERY_NATS_URL": "nats://127.0.0.1:1"}
     run = await asyncio.to_thread(
         subprocess.run,
-        [sys.executable, "-m", "artery.cli", "export", "--project", "exp", "--model", "m",
+        [sys.executable, "-m", "artery.ops.cli", "export", "--project", "exp", "--model", "m",
          "--format", fmt, "--output", str(out)],
         env=env, capture_output=True, text=True, timeout=60,
     )  # fmt: skip

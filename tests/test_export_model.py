@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 import artery as art
-from artery.export_model import PublishedStep, write_merged, write_peft
+from artery.ops.export_model import PublishedStep, write_merged, write_peft
 from artery.services.trainer.policy import LoraSettings, OptimSettings, Policy
 from artery.shared.models import TINY, resolve_base_model, warm_start
 from artery.testing.agents import half_alphabet_rollout
@@ -170,7 +170,7 @@ def run_cli(backend: art.LocalBackend, *args: str) -> subprocess.CompletedProces
         "ARTERY_DATABASE_URL": backend.stack.database_url,
     }
     run = subprocess.run(
-        [sys.executable, "-m", "artery.cli", *args], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "artery.ops.cli", *args], env=env, capture_output=True, text=True, timeout=300
     )
     assert run.returncode == 0, run.stderr
     return run
@@ -256,7 +256,7 @@ async def test_exported_models_give_the_served_greedy_tokens_and_warm_start_a_mo
 
 
 def test_an_export_replaces_only_an_earlier_export_or_an_empty_directory(tmp_path):
-    from artery.export_model import _move_into_place, check_output
+    from artery.ops.export_model import _move_into_place, check_output
 
     check_output(tmp_path / "new")  # not there yet
     (tmp_path / "empty").mkdir()

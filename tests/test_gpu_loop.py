@@ -3,7 +3,7 @@
 ``art.LocalBackend`` starts NATS and PostgreSQL (from their wheels; as root, PostgreSQL runs as
 its own system user), the collector, reward, publisher and trainer as processes, and one
 inference replica for the model, with ``ARTERY_TRAINER_DEVICE=cuda`` and
-``ARTERY_INFERENCE_DEVICE=cuda`` (what ``python -m artery.demo --device cuda`` sets). The tiny
+``ARTERY_INFERENCE_DEVICE=cuda`` (what ``python -m artery.demos.demo --device cuda`` sets). The tiny
 model then learns the half-alphabet task as in the demo: rollouts through the replica's
 OpenAI-compatible API, ``model.train()`` per step, the trainer pausing the replica (which moves
 its model off the GPU and back), the publisher shipping each adapter and the replica hot-loading

@@ -18,11 +18,11 @@ import msgspec
 import openai
 import pytest
 
+from artery.ops.stack import ServiceProcess
 from artery.services.inference.api import create_app
 from artery.services.inference.chat import MAX_CHARS_PER_TOKEN
 from artery.services.inference.serving import ServingState
 from artery.shared.control_client import live_replicas
-from artery.stack import ServiceProcess
 from tests.test_collector import wait_for
 from tests.test_inference_api import USER, CharTokenizer, FakeEngine
 from tests.test_inference_api import serving_app as serving

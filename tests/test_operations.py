@@ -20,6 +20,7 @@ import msgspec
 import nats
 import pytest
 
+from artery.ops.stack import SERVICES, Stack
 from artery.schemas import DeadLetter
 from artery.shared import bus, subjects
 from artery.shared.auth import nats_connect_options
@@ -28,7 +29,6 @@ from artery.shared.control_client import pause_replicas, registered_replicas, re
 from artery.shared.embedded import free_port
 from artery.shared.models import TINY
 from artery.shared.settings import CommonSettings
-from artery.stack import SERVICES, Stack
 from tests.factories import group
 from tests.test_collector import wait_for
 from tests.test_metrics import sample

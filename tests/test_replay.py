@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 import artery as art
-from artery.replay import replay_request_id
+from artery.ops.replay import replay_request_id
 from artery.shared.models import TINY
 from artery.testing.agents import half_alphabet_rollout
 
@@ -34,7 +34,7 @@ def replay_cli(backend: art.LocalBackend, *args: str) -> subprocess.CompletedPro
         "ARTERY_DATABASE_URL": backend.stack.database_url,
     }
     return subprocess.run(
-        [sys.executable, "-m", "artery.cli", "replay", "--project", "replay", "--model", "source", *args],
+        [sys.executable, "-m", "artery.ops.cli", "replay", "--project", "replay", "--model", "source", *args],
         env=env,
         capture_output=True,
         text=True,

@@ -8,7 +8,7 @@ import json
 import asyncpg
 
 import artery as art
-from artery.examples_support import TINY
+from artery.demos.examples_support import TINY
 from tests.test_collector import wait_for
 
 

@@ -18,12 +18,12 @@ import nats
 import pytest
 
 import artery as art
+from artery.ops.stack import Stack
 from artery.shared import bus, subjects
 from artery.shared.auth import nats_connect_options
 from artery.shared.models import TINY
 from artery.shared.permissions import ROLES
 from artery.shared.settings import CommonSettings
-from artery.stack import Stack
 from artery.testing.agents import half_alphabet_rollout
 from tests.factories import group
 from tests.test_cli import ARTERY, read_until

@@ -24,7 +24,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from artery.stack import Stack
+from artery.ops.stack import Stack
 
 PROBE = "ARTERY_LIFETIME_PROBE"
 #: How long the program may take to start its stack (a replica loads torch and the tiny model).

@@ -20,6 +20,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import APIError
 
 import artery as art
+from artery.ops.stack import Stack
 from artery.schemas import ModelRecord
 from artery.services.publisher.base_models import EMBEDDED, BaseModelPolicy
 from artery.shared import bus, subjects
@@ -29,7 +30,6 @@ from artery.shared.errors import InvalidMessage
 from artery.shared.models import TINY
 from artery.shared.permissions import permissions
 from artery.shared.registry import RegistrationRefused, models_kv, read_record, register
-from artery.stack import Stack
 from tests.factories import group
 from tests.test_collector import wait_for
 from tests.test_secure_stack import _password, connect

@@ -13,6 +13,7 @@ import os
 import signal
 import time
 
+from artery.ops.service_process import ServiceProcess
 from artery.schemas import (
     Message,
     TrainCompleted,
@@ -22,7 +23,6 @@ from artery.schemas import (
     TrajectoryGroupSubmitted,
     new_event_id,
 )
-from artery.service_process import ServiceProcess
 from artery.services.collector.store import StoredGroup, write_groups
 from artery.shared import subjects
 from artery.shared.bus import publish_event

@@ -15,10 +15,10 @@ import nats
 
 from artery.backend import Backend
 from artery.dev import note_no_effect
+from artery.ops.stack import Stack
 from artery.shared import lifeline
 from artery.shared.auth import nats_connect_options, secret_value
 from artery.shared.embedded import free_port
-from artery.stack import Stack
 
 if TYPE_CHECKING:
     from artery.model import Model

@@ -26,7 +26,7 @@ import os
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
 from artery.auto import auto_rl
-from artery.examples_support import (
+from artery.demos.examples_support import (
     TrainingRun,
     add_llm_flags,
     check_llm_flags,

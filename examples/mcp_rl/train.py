@@ -37,7 +37,7 @@ from typing import Any
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
 import artery as art
-from artery.examples_support import (
+from artery.demos.examples_support import (
     TrainingRun,
     add_llm_flags,
     check_llm_flags,

@@ -20,7 +20,7 @@ import random
 import re
 
 import artery as art
-from artery.examples_support import TrainingRun, example_parser
+from artery.demos.examples_support import TrainingRun, example_parser
 
 LABELS = ("positive", "negative")
 SYSTEM = "Classify the sentiment of the review. Answer with one word: positive or negative."

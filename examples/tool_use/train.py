@@ -31,7 +31,7 @@ from typing import Any
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
 import artery as art
-from artery.demo_agent.task import calculate  # the same safe calculator as make demo-agent
+from artery.demos.demo_agent.task import calculate  # the same safe calculator as make demo-agent
 
 #: The tiny random Qwen2 built locally (no model hub): gibberish answers, but every path runs.
 TINY = "artery/tiny-random"

@@ -11,7 +11,7 @@ import statistics
 from collections.abc import Awaitable, Callable, Sequence
 
 import artery as art
-from artery.demo_agent.task import Question
+from artery.demos.demo_agent.task import Question
 
 #: (question, temperature, seed, inference name) -> one scored episode.
 Rollout = Callable[[Question, float, int | None, str | None], Awaitable[art.Trajectory]]

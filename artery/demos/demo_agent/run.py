@@ -19,10 +19,10 @@ from typing import Any
 from tqdm.auto import tqdm
 
 import artery as art
-from artery.demo import _prepare_model, plot
-from artery.demo_agent import agent
-from artery.demo_agent.evaluate import evaluate, figures
-from artery.demo_agent.task import Question, questions
+from artery.demos.demo import _prepare_model, plot
+from artery.demos.demo_agent import agent
+from artery.demos.demo_agent.evaluate import evaluate, figures
+from artery.demos.demo_agent.task import Question, questions
 
 #: Seeds of the question sets: the held-out questions never appear in training (checked).
 TRAIN_SEED, HELD_OUT_SEED = 1, 2

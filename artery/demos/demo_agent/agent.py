@@ -24,7 +24,7 @@ import json
 from typing import Any
 
 import artery as art
-from artery.demo_agent.task import TOOL_NAME, TOOLS, Episode, Question, reward, reward_parts, run_tool
+from artery.demos.demo_agent.task import TOOL_NAME, TOOLS, Episode, Question, reward, reward_parts, run_tool
 
 SYSTEM = (
     f"You can use one tool, {TOOL_NAME}, which evaluates arithmetic. To use it, reply with only:\n"

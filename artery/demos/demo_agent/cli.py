@@ -1,12 +1,12 @@
-"""The demo-agent's command line: presets and options (``python -m artery.demo_agent --help``)."""
+"""The demo-agent's command line: presets and options (``python -m artery.demos.demo_agent --help``)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 
-from artery.demo_agent.run import run
-from artery.demo_agent.task import KINDS
+from artery.demos.demo_agent.run import run
+from artery.demos.demo_agent.task import KINDS
 from artery.shared.models import SMOLLM2, TINY
 
 #: ``--model`` presets: the base model and the settings measured on two CPU cores (docs/results/).
@@ -37,7 +37,7 @@ PRESETS: dict[str, dict] = {
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m artery.demo_agent",
+        prog="python -m artery.demos.demo_agent",
         description="SmolLM2-135M-Instruct learns to answer arithmetic questions with a calculator tool "
         "(multi-turn, OpenAI tools), through every Artery service.",
     )

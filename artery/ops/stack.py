@@ -8,7 +8,7 @@ all of them run the same processes the same way. State lives under one home dire
 ``Stack(secure=True, projects=(...))`` runs NATS with one user per service and ``agent-<project>``
 per project (``shared.permissions``): passwords under ``secrets/`` (mode 0600, kept across
 restarts), streams provisioned as ``admin``, each service connected as its own user and an agent
-as its project's (``agent_env``). One service's process is ``artery.service_process``.
+as its project's (``agent_env``). One service's process is ``artery.ops.service_process``.
 
 Every process of a stack lives no longer than the process that started it (``shared.lifeline``):
 a stack kept on purpose is one whose ``artery up`` keeps running.
@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from artery.service_process import ServiceProcess
+from artery.ops.service_process import ServiceProcess
 from artery.shared.embedded import NatsServer, PostgresServer
 
 #: Every model-independent service, in start order. Inference replicas serve one model each and

@@ -6,7 +6,7 @@ that dies, and stops everything in order on Ctrl-C.
 
 Long module: the ``artery`` command's subcommands, each ``cmd_*`` beside its arguments, so
 that ``artery --help`` and what each command does read together; the work itself lives in the
-modules they call (``artery.stack``, ``artery.export``...).
+modules they call (``artery.ops.stack``, ``artery.export``...).
 """
 
 from __future__ import annotations
@@ -29,13 +29,13 @@ def _line(name: str, state: str, detail: str = "") -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from artery.stack import SERVICES, Stack
+    from artery.ops.stack import SERVICES, Stack
 
     services = tuple(s for s in args.services.split(",") if s) if args.services else SERVICES
     replicas = [_parse_serve(spec) for spec in args.serve or []]
     engine_env = {"ARTERY_INFERENCE_ENGINE": args.engine} if args.engine else {}
     if replicas:
-        from artery.stack import EngineUnavailable, inference_python
+        from artery.ops.stack import EngineUnavailable, inference_python
 
         try:  # before anything starts: a missing vLLM venv is a message, not a crash loop
             inference_python({**os.environ, **engine_env})
@@ -286,8 +286,8 @@ def _nats_and_database(home: str, command: str) -> tuple[str, str]:
 
 
 def cmd_export_model(args: argparse.Namespace) -> int:
-    """A published step as a PEFT adapter or merged weights (``artery.export_model``)."""
-    from artery import export_model
+    """A published step as a PEFT adapter or merged weights (``artery.ops.export_model``)."""
+    from artery.ops import export_model
     from artery.shared.settings import CommonSettings, load
 
     nats_url, database_url = _nats_and_database(args.home, "export-model")
@@ -313,8 +313,8 @@ def cmd_export_model(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    """Train a fresh model on a model's stored groups, step by step (``artery.replay``)."""
-    from artery import replay
+    """Train a fresh model on a model's stored groups, step by step (``artery.ops.replay``)."""
+    from artery.ops import replay
     from artery.shared.settings import CommonSettings, load
 
     nats_url, database_url = _nats_and_database(args.home, "replay")

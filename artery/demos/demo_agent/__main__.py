@@ -1,0 +1,5 @@
+"""``python -m artery.demos.demo_agent``."""
+
+from artery.demos.demo_agent.cli import main
+
+main()
