@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup setup-vllm browser demo demo-agent prepare-model test test-vllm test-stress fuzz lint format schemas docs bench chaos soak compose-test clean
+.PHONY: setup setup-vllm browser demo demo-agent prepare-model test test-fast test-vllm test-stress fuzz lint format schemas docs bench chaos soak compose-test clean
 
 setup: $(STAMP)
 
@@ -51,9 +51,12 @@ demo: prepare-model
 demo-agent: prepare-model
 	$(PY) -m artery.demos.demo_agent $(DEMO_AGENT_ARGS)
 
+# ruff, then mypy over the product code ([tool.mypy] in pyproject.toml: the package artery and the
+# folders linked under it).
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 format: setup
 	$(VENV)/bin/ruff check --fix .
@@ -80,6 +83,12 @@ browser:
 test: setup lint prepare-model browser
 	$(PY) -m artery.schemas.generate --check
 	$(PY) -m pytest -q --durations=15
+
+# The tiers that need no server (tests/tiers.py, docs/development/tests.md): unit, contract and
+# service tests not marked slow, without lint, model download or browser; `make test` is still the
+# whole suite.
+test-fast: setup
+	$(PY) -m pytest -q -m '(unit or contract or service) and not slow' --durations=10 $$($(PY) -m tests.tiers)
 
 # The vLLM engine against the transformers engine (tests/test_engine_vllm.py): builds .venv-vllm
 # first; 0 skips (a missing venv is an error there). ~2 min setup on a fresh machine, then the tests.

@@ -15,11 +15,34 @@ from artery.auto_trajectory import auto_trajectory, capture_auto_trajectory
 from artery.backend import Backend
 from artery.backend_api import TrainingFailed, TrainResult
 from artery.batches import trajectory_group_batches
+from artery.capture.api import (
+    current_trajectory,
+    current_trajectory_group,
+    no_capture,
+    trajectory,
+    trajectory_group,
+)
+from artery.errors import LocalServingUnavailableError
 from artery.gather import TooManyExceptions, gather_trajectories, gather_trajectory_groups
 from artery.local import LocalBackend
+from artery.local.train_result import LocalTrainResult
+from artery.megatron import (
+    MegatronRuntimeConfig,
+    MegatronTopologyConfig,
+    get_megatron_runtime_config,
+    init_megatron_runtime_config,
+)
+from artery.metrics import (
+    PIPELINE_RL_DASHBOARD_DEFAULT_METRICS,
+    PIPELINE_RL_METRIC_DEFINITIONS,
+    PIPELINE_RL_SCORE_METRICS,
+    MetricDefinition,
+)
 from artery.model import Model, TrainableModel
+from artery.pipeline_config import PipelineAutotuneConfig, PipelineRuntimeConfig
 from artery.retry import retry
 from artery.schemas import RewardSpec, RulerSpec, TrainConfig, TrainSFTConfig
+from artery.serverless import ServerlessBackend, ServerlessTrainResult
 from artery.trajectories import History, Trajectory, TrajectoryGroup
 from artery.types import Messages, MessagesAndChoices, Tools
 from artery.yield_trajectory import capture_yielded_trajectory, yield_trajectory
@@ -27,15 +50,27 @@ from artery.yield_trajectory import capture_yielded_trajectory, yield_trajectory
 LoRAConfig = dev.LoRAConfig
 
 __all__ = [
+    "PIPELINE_RL_DASHBOARD_DEFAULT_METRICS",
+    "PIPELINE_RL_METRIC_DEFINITIONS",
+    "PIPELINE_RL_SCORE_METRICS",
     "Backend",
     "History",
     "LoRAConfig",
     "LocalBackend",
+    "LocalServingUnavailableError",
+    "LocalTrainResult",
+    "MegatronRuntimeConfig",
+    "MegatronTopologyConfig",
     "Messages",
     "MessagesAndChoices",
+    "MetricDefinition",
     "Model",
+    "PipelineAutotuneConfig",
+    "PipelineRuntimeConfig",
     "RewardSpec",
     "RulerSpec",
+    "ServerlessBackend",
+    "ServerlessTrainResult",
     "TooManyExceptions",
     "Tools",
     "TrainConfig",
@@ -48,12 +83,19 @@ __all__ = [
     "auto_trajectory",
     "capture_auto_trajectory",
     "capture_yielded_trajectory",
+    "current_trajectory",
+    "current_trajectory_group",
     "dev",
     "gather_trajectories",
     "gather_trajectory_groups",
+    "get_megatron_runtime_config",
+    "init_megatron_runtime_config",
     "local",
+    "no_capture",
     "retry",
     "rewards",
+    "trajectory",
+    "trajectory_group",
     "trajectory_group_batches",
     "utils",
     "yield_trajectory",

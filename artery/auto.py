@@ -259,7 +259,7 @@ async def auto_rl(
 
     say = log or (lambda _msg: None)
     path = Path(inputs_path) if inputs_path is not None else model.directory / INPUTS_FILE
-    gen = {
+    gen: dict[str, Any] = {  # the generator, as both helpers take it
         "generator_model": generator_model,
         "generator_api_key": generator_api_key,
         "generator_base_url": generator_base_url,

@@ -1,5 +1,8 @@
 """ART's ``auto_trajectory`` / ``capture_auto_trajectory``: a rollout's chat completions, recorded.
 
+Deprecated, as in ART: ``art.trajectory(coro)`` and ``art.current_trajectory()`` (``artery.capture``)
+record every wire API as exchanges. These keep doing what they did, with one ``DeprecationWarning``.
+
 ``await capture_auto_trajectory(agent(...))`` runs the coroutine in a context where every chat
 completion it makes over HTTP (the OpenAI client, litellm, plain ``httpx``; ``httpx2`` as well,
 the fork newer OpenAI clients use) is recorded into a ``Trajectory``, which it returns; inside,
@@ -37,12 +40,14 @@ import importlib
 import json
 import logging
 import threading
+import warnings
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from typing import Any, Literal, overload
 
 import msgspec
 
 from artery import convert
+from artery.capture import api
 from artery.completion_bodies import SSE_DONE, as_choice, choice_from_json, choice_from_sse
 from artery.shared.served_name import parse_served_name
 from artery.trajectories import History, Trajectory
@@ -66,8 +71,12 @@ def auto_trajectory(*, required: Literal[False] = False) -> Trajectory | None: .
 def auto_trajectory(*, required: bool = False) -> Trajectory | None:
     """The trajectory being captured around this call; ``None`` outside a capture, or a
     ``RuntimeError`` when ``required``."""
+    _deprecated("auto_trajectory", "art.current_trajectory()")
     context = _context.get()
     if context is None:
+        scoped = api.current_trajectory()  # inside ``art.trajectory(...)``: that one
+        if scoped is not None:
+            return scoped
         if required:
             raise RuntimeError(
                 "No auto trajectory in context. `auto_trajectory(required=True)` must be called "
@@ -79,6 +88,7 @@ def auto_trajectory(*, required: bool = False) -> Trajectory | None:
 
 async def capture_auto_trajectory(coroutine: Coroutine[Any, Any, Any]) -> Trajectory:
     """Run ``coroutine`` and return the trajectory of the chat completions it made."""
+    _deprecated("capture_auto_trajectory", "art.trajectory(coroutine)")
     _install()
     context = _Capture()
     token = _context.set(context)
@@ -88,6 +98,15 @@ async def capture_auto_trajectory(coroutine: Coroutine[Any, Any, Any]) -> Trajec
         _context.reset(token)
         context.close()
     return context.trajectory
+
+
+_warned: set[str] = set()
+
+
+def _deprecated(name: str, instead: str) -> None:
+    if name not in _warned:
+        _warned.add(name)
+        warnings.warn(f"`{name}` is deprecated: use `{instead}`", DeprecationWarning, stacklevel=3)
 
 
 class _Capture:
@@ -171,9 +190,10 @@ _context: contextvars.ContextVar[_Capture | None] = contextvars.ContextVar(
 
 def _history_for(trajectory: Trajectory, messages: list[Any], tools: Any) -> Trajectory | History:
     """The conversation this call continues (as ART picks it), or a new additional history."""
-    for history in (trajectory, *trajectory.additional_histories):
-        if _continues(history, messages, tools):
-            return history
+    candidates: list[Trajectory | History] = [trajectory, *trajectory.additional_histories]
+    for candidate in candidates:
+        if _continues(candidate, messages, tools):
+            return candidate
     history = History(messages_and_choices=[])
     trajectory.additional_histories.append(history)
     return history

@@ -47,7 +47,7 @@ from artery.schemas import (
 from artery.shared import bus, subjects
 from artery.shared.auth import secret_value
 from artery.shared.permissions import provision_if_missing
-from artery.shared.registry import models_kv, project_replicas, read_record
+from artery.shared.registry import models_kv, project_replicas, read_record, served_by_updates
 from artery.shared.registry import register as register_model
 from artery.shared.settings import CommonSettings
 from artery.shared.tracing import (
@@ -331,12 +331,19 @@ class Backend(S3Transport):
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         async with woken_by(
-            await self._connect(), subjects.kv_updates(subjects.REPLICAS_BUCKET, keys)
+            await self._connect(),
+            subjects.kv_updates(subjects.REPLICAS_BUCKET, keys),
+            waiter="sdk_until_served",
         ) as wake:
             while True:
                 wake.clear()  # before reading: a change during the read wakes the next wait
                 replicas = await project_replicas(await self._js(), model.project, model.name)
-                if all(name in r.served for r in replicas):
+                # The entry that woke us counts as read: the stream stores a put after plain
+                # subscribers hear it, so a read right after the wake-up can miss it, and
+                # nothing else would come before the safety net (the missed wake-ups of #31).
+                heard = served_by_updates(wake.latest.values())
+                if all(name in r.served or name in heard.get(r.replica_id, ()) for r in replicas):
+                    wake.satisfied()
                     return
                 remaining = deadline - loop.time()
                 if remaining <= 0:

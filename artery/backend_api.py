@@ -142,9 +142,13 @@ class ModelBackend(Protocol):
         model: Any,
         trajectories: Iterable[Trajectory],
         config: TrainSFTConfig | None = None,
-        **kwargs: Any,
     ) -> TrainResult: ...
 
     async def delete_checkpoints(
-        self, model: Any, *, best_checkpoint_metric: str | None = ..., keep_latest: int = ...
+        self,
+        model: Any,
+        *,
+        best_checkpoint_metric: str | None = ...,
+        keep_latest: int = ...,
+        keep_steps: Iterable[int] = ...,
     ) -> RetentionApplied: ...

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import inspect
 import itertools
 from collections.abc import AsyncIterator, Awaitable, Iterable
 
 from artery.gather_context import GatherContext, TooManyExceptions, _current
 from artery.trajectories import TrajectoryGroup
+from artery.unstarted import close_unstarted
 
 
 async def trajectory_group_batches(
@@ -43,9 +43,8 @@ async def trajectory_group_batches(
     if skip_batches < 0:
         raise ValueError("skip_batches must be >= 0")
     unstarted = iter(groups)
-    for skipped in itertools.islice(unstarted, batch_size * skip_batches):
-        if inspect.iscoroutine(skipped):
-            skipped.close()  # never run: no "coroutine was never awaited" warning
+    # never run: no "coroutine was never awaited" warning
+    close_unstarted(itertools.islice(unstarted, batch_size * skip_batches))
     context = GatherContext(pbar_desc, max_batch_exceptions, window_groups=batch_size)
     # The groups report to this context; the caller's own context is left as it was.
     group_context = contextvars.copy_context()
@@ -62,6 +61,7 @@ async def trajectory_group_batches(
 
     limit = batch_size * max_concurrent_batches
     pending: set[asyncio.Task[TrajectoryGroup | None]] = set()
+    created: list[Awaitable[TrajectoryGroup]] = []  # closed at the end if they never started
     batch: list[TrajectoryGroup] = []
     exhausted = False
     try:
@@ -73,6 +73,7 @@ async def trajectory_group_batches(
                     break
                 # Each group in its own copy: its spans and context variables stay its own.
                 pending.add(asyncio.create_task(run(awaitable), context=group_context.copy()))
+                created.append(awaitable)
             if not pending:
                 break
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -91,6 +92,7 @@ async def trajectory_group_batches(
             task.cancel()
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
+        close_unstarted(created)  # a task cancelled before it ran never awaited its group
         if context.done == 0:
             context.pbar.leave = False  # the bar opened after the last batch: nothing to show
         context.close()

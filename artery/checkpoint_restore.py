@@ -116,6 +116,9 @@ async def _publish_step(
 ) -> None:
     """``checkpoint.saved`` for the rebuilt step (as the trainer announces its own), then wait
     until the publisher has stored it: replicas elsewhere fetch it from there, and a push sees it."""
+    base_model = getattr(model, "base_model", None)
+    if not isinstance(base_model, str):
+        raise S3TransportError(f"{model!r} names no base model: a step restores onto a TrainableModel")
     data = await asyncio.to_thread(tar.read_bytes)
     sha = sha256_hex(data)
     event = CheckpointSaved(
@@ -127,13 +130,14 @@ async def _publish_step(
         uri=tar.resolve().as_uri(),
         sha256=sha,
         size_bytes=len(data),
-        base_model=model.base_model,
+        base_model=base_model,
         metrics={k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and v == v},
     )
     nc = await backend._connect()
     loop = asyncio.get_running_loop()
     deadline = loop.time() + RESTORE_TIMEOUT_S
-    async with woken_by(nc, subjects.checkpoint("published", model.project, model.name)) as wake:
+    published = subjects.checkpoint("published", model.project, model.name)
+    async with woken_by(nc, published, waiter="sdk_restore_published") as wake:
         try:
             await bus.publish_event(
                 nc.jetstream(), subjects.checkpoint("saved", model.project, model.name), event
@@ -147,6 +151,7 @@ async def _publish_step(
             wake.clear()
             try:
                 await adapter_info(nc.jetstream(), f"{model.project}/{model.name}/{step:06d}")
+                wake.satisfied()
                 return
             except AdapterNotFound:
                 pass

@@ -77,6 +77,7 @@ class EngineArgs(TypedDict, total=False):
     (``ARTERY_INFERENCE_MAX_LORA_RANK``, ``ARTERY_INFERENCE_DTYPE``); the rest has no effect here."""
 
     model: str
+    served_model_name: str
     dtype: str
     max_model_len: int | None
     gpu_memory_utilization: float
@@ -213,14 +214,14 @@ def get_model_config(
     base_model: str, output_dir: str | None = None, config: InternalModelConfig | None = None
 ) -> InternalModelConfig:
     """ART's helper: the config with ART's documented defaults under what it sets."""
-    config = dict(config or {})
+    given: InternalModelConfig = config or {}
     return InternalModelConfig(
         {
-            **config,
-            "init_args": {"model_name": base_model, "max_seq_length": 32768, **config.get("init_args", {})},
-            "engine_args": dict(config.get("engine_args", {})),
-            "peft_args": {"r": 8, "lora_alpha": 16, **config.get("peft_args", {})},
-            "trainer_args": {"learning_rate": 5e-6, "max_grad_norm": 0.1, **config.get("trainer_args", {})},
+            **given,
+            "init_args": {"model_name": base_model, "max_seq_length": 32768, **given.get("init_args", {})},
+            "engine_args": {**given.get("engine_args", {})},
+            "peft_args": {"r": 8, "lora_alpha": 16, **given.get("peft_args", {})},
+            "trainer_args": {"learning_rate": 5e-6, "max_grad_norm": 0.1, **given.get("trainer_args", {})},
         }
     )
 
@@ -233,9 +234,13 @@ def get_openai_server_config(
     config: OpenAIServerConfig | None = None,
 ) -> OpenAIServerConfig:
     """ART's helper: the given server config, with the served model named."""
-    config = dict(config or {})
-    engine_args = {"model": base_model, "served_model_name": model_name, **config.get("engine_args", {})}
-    return OpenAIServerConfig({**config, "engine_args": engine_args})
+    given: OpenAIServerConfig = config or {}
+    engine_args: EngineArgs = {
+        "model": base_model,
+        "served_model_name": model_name,
+        **given.get("engine_args", {}),
+    }
+    return OpenAIServerConfig({**given, "engine_args": engine_args})
 
 
 def is_dedicated_mode(config: InternalModelConfig | None) -> bool:

@@ -14,6 +14,7 @@ from artery.dev import note_no_effect
 from artery.gather_context import GatherContext, TooManyExceptions, _current, current_gather
 from artery.shared.tracing import tracer
 from artery.trajectories import Trajectory, TrajectoryGroup
+from artery.unstarted import close_unstarted
 
 __all__ = [
     "GatherContext",
@@ -65,7 +66,11 @@ async def gather_trajectory_groups(
                 return []
             return result if isinstance(result, list) else [result]
 
-        results = await asyncio.gather(*(finish(g) for g in groups))
+        awaitables = list(groups)
+        try:
+            results = await asyncio.gather(*(finish(g) for g in awaitables))
+        finally:  # one raised (max_exceptions): the groups that never started are closed
+            close_unstarted(awaitables)
     finally:
         _current.reset(token)
         context.close()
@@ -100,6 +105,7 @@ async def gather_trajectories(
     try:
         results: list[Any] = await asyncio.gather(*(run(t) for t in items))
     finally:
+        close_unstarted(items)
         _current.reset(token)
         context.close()
     return [t for t in results if t is not None]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import re
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -14,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 from artery import dev, integrations
 from artery.dev import InternalModelConfig, LoRAConfig, lora_fields, model_settings, note_no_effect
 from artery.model_transport import traced_transport
-from artery.schemas.base import NAME_PATTERN
+from artery.schemas.base import check_name
+from artery.shared.served_name import served_name
 from artery.trajectories import Trajectory, TrajectoryGroup, require_rewards
 from artery.utils.art_settings import with_server_config
 from artery.utils.model_files import (
@@ -30,13 +30,14 @@ if TYPE_CHECKING:
     from artery.backend_api import ModelBackend, TrainResult
     from artery.schemas import TrainConfig, TrainSFTConfig
 
-_NAME = re.compile(NAME_PATTERN)
 #: ART's default directory for model files (``.art/<project>/models/<name>/``).
 DEFAULT_BASE_PATH = ".art"
 
 
 class Model(ModelFiles):
     trainable = False
+    _wandb_run: Any = None  # artery.integrations.wandb's run for this model, and whether opening
+    _wandb_failed = False  # one failed
 
     def __init__(
         self,
@@ -53,8 +54,7 @@ class Model(ModelFiles):
         report_metrics: list[str] | None = None,
     ):
         for label, value in (("name", name), ("project", project)):
-            if not _NAME.match(value):
-                raise ValueError(f"model {label} {value!r} must match {NAME_PATTERN} (it is a subject token)")
+            check_name(f"model {label}", value)
         if config is not None:
             json.dumps(jsonable(config))  # as ART: the config must be JSON-serialisable, checked early
         self.name = name
@@ -84,13 +84,15 @@ class Model(ModelFiles):
 
     def model_dump(self, *, mode: str = "python", exclude_none: bool = False) -> dict[str, Any]:
         """The model's fields as a dict (ART's ``Model`` is a pydantic model)."""
-        config = copy.deepcopy(self.config)
+        config: Any = self.config  # ART's configs are pydantic models
+        if hasattr(config, "model_dump"):
+            config = config.model_dump(mode=mode)
         data = {
             "name": self.name,
             "project": self.project,
             "entity": self.entity,
             "id": self.id,
-            "config": self.config.model_dump(mode=mode) if hasattr(self.config, "model_dump") else config,
+            "config": copy.deepcopy(config),
             "inference_api_key": self.inference_api_key,
             "inference_base_url": self.inference_base_url,
             "inference_model_name": self.inference_model_name,
@@ -105,8 +107,7 @@ class Model(ModelFiles):
 
     async def register(self, backend: ModelBackend) -> None:
         for label, value in (("name", self.name), ("project", self.project)):  # changed after a copy
-            if not _NAME.match(value):
-                raise ValueError(f"model {label} {value!r} must match {NAME_PATTERN} (it is a subject token)")
+            check_name(f"model {label}", value)
         if self.base_path is None:  # a LocalBackend's: ART's .art, or the path it was given
             path = getattr(backend, "models_path", None) or getattr(backend, "path", None)
             if isinstance(path, Path):
@@ -172,7 +173,7 @@ class Model(ModelFiles):
 
     def get_inference_name(self, step: int | None = None) -> str:
         """``name@step``, or the bare name for the latest step."""
-        return self.name if step is None else f"{self.name}@{step}"
+        return self.name if step is None else served_name(self.name, step)
 
     async def get_step(self) -> int:
         if not self.trainable:

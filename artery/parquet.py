@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -92,7 +92,8 @@ def _unflatten(row: dict[str, Any]) -> dict[str, Any]:
     return message
 
 
-def _histories(histories: list[History]) -> str | None:
+def _histories(histories: Sequence[Any]) -> str | None:
+    """Additional histories, or a captured trajectory's other conversations (same fields)."""
     if not histories:
         return None
     return _json(
@@ -142,9 +143,9 @@ def schema() -> pa.Schema:
 
 
 def _rows(groups: Iterable[TrajectoryGroup]) -> list[dict[str, Any]]:
-    rows = []
+    rows: list[dict[str, Any]] = []
     for group_index, group in enumerate(groups):
-        common = {
+        common: dict[str, Any] = {
             "group_index": group_index,
             "group_metadata": _json_or_none(group.metadata),
             "group_metrics": _json_or_none(group.metrics),
@@ -155,19 +156,21 @@ def _rows(groups: Iterable[TrajectoryGroup]) -> list[dict[str, Any]]:
             rows.append(common)  # the group is kept (its exceptions); ART's reader skips the row
             continue
         for index, trajectory in enumerate(group.trajectories):
+            # A captured trajectory's messages are its exchanges, rebuilt as conversations.
+            main, *others = trajectory.sent_conversations()
             rows.append(
                 {
                     **common,
                     "reward": float(trajectory.reward),
                     "metrics": _json_or_none(trajectory.metrics),
                     "metadata": _json_or_none(trajectory.metadata),
-                    "tools": _json_or_none(trajectory.tools),
+                    "tools": _json_or_none(main.tools),
                     "logs": list(trajectory.logs) or None,
-                    "messages": _messages(trajectory.messages_and_choices),
+                    "messages": _messages(main.messages_and_choices),
                     "trajectory_index": index,
                     "initial_policy_version": trajectory.initial_policy_version,
                     "final_policy_version": trajectory.final_policy_version,
-                    "additional_histories": _histories(trajectory.additional_histories),
+                    "additional_histories": _histories(others),
                 }
             )
     return rows

@@ -266,7 +266,7 @@ async def pull(
 ) -> int | None:
     """Download into the model directory and restore the newest pulled step (see the module's
     docstring); returns the step restored, or None when nothing newer than here was pulled."""
-    excluded = set(exclude)
+    excluded: set[str] = set(exclude)  # checked here too: callers may not be type-checked
     unknown = excluded - {"checkpoints", "logs", "trajectories"}
     if unknown:
         raise ValueError(f"exclude={sorted(unknown)}: only 'checkpoints', 'logs' and 'trajectories'")

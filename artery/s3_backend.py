@@ -5,11 +5,12 @@ extra). ``artery.backend.Backend`` inherits them, so they read as ART's ``backen
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from artery import s3
 
 if TYPE_CHECKING:
+    from artery.checkpoint_layout import CheckpointBackend
     from artery.model import Model
 
 
@@ -18,7 +19,7 @@ class S3Transport:
     each method hands the backend itself to ``artery.s3``."""
 
     async def _experimental_push_to_s3(
-        self,
+        self: CheckpointBackend,
         model: Model,
         *,
         s3_bucket: str | None = None,
@@ -31,7 +32,7 @@ class S3Transport:
         await s3.push(self, model, s3_bucket=s3_bucket, prefix=prefix, verbose=verbose, delete=delete)
 
     async def _experimental_pull_from_s3(
-        self,
+        self: CheckpointBackend,
         model: Model,
         step: int | None = None,
         s3_bucket: str | None = None,
@@ -39,8 +40,8 @@ class S3Transport:
         verbose: bool = False,
         delete: bool = False,
         *,
-        only_step: int | str | None = None,  # a step, "latest" or None (all)
-        exclude: list[str] | None = None,
+        only_step: int | Literal["latest"] | None = None,  # a step, "latest" or None (all)
+        exclude: list[s3.Excludable] | None = None,
         latest_only: bool = False,
     ) -> None:
         """Download the model directory from S3; the newest step pulled becomes the model's
@@ -63,7 +64,7 @@ class S3Transport:
         )
 
     async def _experimental_deploy(
-        self,
+        self: CheckpointBackend,
         deploy_to,
         model: Model,
         step: int | None = None,

@@ -7,22 +7,28 @@ import contextlib
 import datetime as dt
 import inspect
 import time
-import traceback
-from collections.abc import Awaitable, Iterable, Iterator
+import warnings
+from collections.abc import Awaitable, Coroutine, Generator, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 import msgspec
 from opentelemetry import trace
 
 from artery import convert
+from artery.capture import group_scope, hooks, scope
+from artery.capture.conversations import Conversation, conversations
+from artery.capture.exchanges import Exchange, Kind, TrajectoryExchanges
+from artery.capture.group_scope import exception_record
 from artery.gather_context import current_gather
 from artery.schemas import History as WireHistory
 from artery.schemas import RewardSpec, Tool, TrajectoryException, TrajectoryGroupSubmitted, new_event_id
 from artery.schemas import Trajectory as WireTrajectory
-from artery.services.collector.validate import check_finite
+from artery.shared.contract import check_finite
 from artery.shared.errors import InvalidMessage
+from artery.shared.served_name import parse_served_name
 from artery.shared.tracing import tracer
+from artery.unstarted import close_unstarted
 from artery.utils import pydantic_surface
 from artery.utils.reward_given import NoReward
 
@@ -74,6 +80,47 @@ class Trajectory:
     metadata: dict[str, float | int | str | bool | None] = field(default_factory=dict)
     logs: list[str] = field(default_factory=list)
     start_time: dt.datetime = field(default_factory=lambda: dt.datetime.now(dt.UTC), repr=False)
+    #: The model calls a capture scope recorded (``with trajectory:``, ``art.trajectory(...)``).
+    exchanges: TrajectoryExchanges = field(default_factory=TrajectoryExchanges, repr=False)
+
+    # --------------------------------------------------------------------- capture scope
+
+    def __enter__(self) -> Trajectory:
+        """Record every model call made inside (this task and what it starts) into ``exchanges``."""
+        hooks.install()
+        scope.enter(self)
+        return self
+
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        scope.leave(self)
+        self.finish()
+        # The enclosing ``with TrajectoryGroup():`` keeps it, or its failure (a cancelled
+        # rollout is no failure of the agent's).
+        if isinstance(exc, Exception):
+            group_scope.rollout_failed(exc)
+        elif exc is None:
+            group_scope.trajectory_ended(self)
+
+    def record_exchange(self, kind: Kind, exchange: Exchange) -> None:
+        with scope.record_lock:
+            self.exchanges.add(kind, exchange)
+            policy = parse_served_name(exchange.model or "")  # ``<model>@<step>``
+            if policy is not None:
+                if self.initial_policy_version is None:
+                    self.initial_policy_version = policy[1]
+                self.final_policy_version = policy[1]
+
+    def sent_conversations(self) -> list[Conversation | Trajectory | History]:
+        """What is sent, trained on and logged, the main conversation first: the exchanges as
+        conversations, or the messages the agent built (a trajectory holds one or the other, as
+        in ART)."""
+        if not self.exchanges:
+            return [self, *self.additional_histories]
+        if self.messages_and_choices or self.additional_histories:
+            raise ValueError(
+                "a trajectory holds captured exchanges or messages_and_choices/additional_histories, not both"
+            )
+        return [*conversations(self.exchanges)] or [Conversation()]
 
     def log(self, message: str) -> None:
         self.logs.append(message)
@@ -95,7 +142,7 @@ class Trajectory:
     def messages(self) -> list[dict[str, Any]]:
         """The conversation as OpenAI message dicts (choices become assistant messages)."""
         out = []
-        for message in convert.to_messages(self.messages_and_choices):
+        for message in convert.to_messages(self.sent_conversations()[0].messages_and_choices):
             item = msgspec.to_builtins(message)
             item.pop("sample", None)
             item.pop("trainable", None)
@@ -115,10 +162,14 @@ class Trajectory:
         return pydantic_surface.for_logging(self)
 
     def to_wire(self) -> WireTrajectory:
+        main, *others = self.sent_conversations()
         return WireTrajectory(
-            messages=convert.to_messages(self.messages_and_choices),
-            tools=_tools(self.tools),
-            additional_histories=[h.to_wire() for h in self.additional_histories],
+            messages=convert.to_messages(main.messages_and_choices),
+            tools=_tools(main.tools),
+            additional_histories=[
+                WireHistory(messages=convert.to_messages(h.messages_and_choices), tools=_tools(h.tools))
+                for h in others
+            ],
             reward=float(self.reward),
             initial_policy_version=self.initial_policy_version,
             final_policy_version=self.final_policy_version,
@@ -128,29 +179,11 @@ class Trajectory:
         )
 
 
-def exception_record(exc: BaseException) -> TrajectoryException:
-    return TrajectoryException(
-        type=type(exc).__name__,
-        message=str(exc),
-        traceback="".join(traceback.format_exception(exc))[-8000:],
-    )
+class _GroupFields:
+    """``TrajectoryGroup``'s fields. Its ``__init__`` lives here, apart from ``__new__``: a type
+    checker then reads the constructor from ``__new__``, which says what awaitables make."""
 
-
-class TrajectoryGroup:
-    """Rollouts of the same input, compared with each other by GRPO.
-
-    Given awaitables (``TrajectoryGroup(rollout(s) for _ in range(8))``), the constructor returns
-    an awaitable that runs them concurrently, keeps the exceptions (within the enclosing
-    ``gather_trajectory_groups``'s ``max_exceptions``) and updates its progress bar.
-    """
-
-    def __new__(cls, trajectories: Iterable[Trajectory | Awaitable[Trajectory]] = (), **kwargs):
-        items = list(trajectories)
-        if any(inspect.isawaitable(item) for item in items):
-            return _gather_group(cls, items, kwargs)
-        group = super().__new__(cls)
-        group._given = items  # a generator can be read once: __init__ takes this list
-        return group
+    _given: list[Any]  # what ``__new__`` read from the iterable, for ``__init__``
 
     def __init__(
         self,
@@ -174,6 +207,60 @@ class TrajectoryGroup:
         self.reward = reward
         #: The ``artery.group`` span its rollouts ran in (set when it was gathered from awaitables).
         self.span_context: trace.SpanContext | None = None
+
+
+class TrajectoryGroup(_GroupFields):
+    """Rollouts of the same input, compared with each other by GRPO.
+
+    ``with TrajectoryGroup() as group:`` collects every trajectory whose scope ends inside (in
+    this task and the ones it starts), in completion order, and the exceptions that ended them.
+
+    Given awaitables (``TrajectoryGroup(rollout(s) for _ in range(8))``, deprecated as in ART:
+    ``await art.trajectory_group(...)``), the constructor returns an awaitable that runs them
+    concurrently, keeps the exceptions (within the enclosing ``gather_trajectory_groups``'s
+    ``max_exceptions``) and updates its progress bar.
+    """
+
+    @overload
+    def __new__(
+        cls,
+        trajectories: Iterable[Trajectory] = (),
+        *,
+        exceptions: list[BaseException | TrajectoryException] | None = None,
+        metadata: dict[str, Any] | None = None,
+        metrics: dict[str, float | int | bool] | None = None,
+        logs: list[str] | None = None,
+        reward: RewardSpec | None = None,
+    ) -> TrajectoryGroup: ...
+
+    # mypy wants ``__new__`` to return an instance; this one returns an awaitable of one (as ART's).
+    @overload
+    def __new__(  # type: ignore[misc]
+        cls,
+        trajectories: Iterable[Awaitable[Trajectory]],
+        *,
+        exceptions: list[BaseException | TrajectoryException] | None = None,
+        metadata: dict[str, Any] | None = None,
+        metrics: dict[str, float | int | bool] | None = None,
+        logs: list[str] | None = None,
+        reward: RewardSpec | None = None,
+    ) -> Awaitable[TrajectoryGroup]: ...
+
+    def __new__(cls, trajectories: Iterable[Any] = (), **kwargs: Any) -> Any:
+        items = list(trajectories)
+        if any(inspect.isawaitable(item) for item in items):
+            _warn_awaitables()
+            return _PendingGroup(_gather_group(cls, items, kwargs), items)
+        group = super().__new__(cls)
+        group._given = items  # a generator can be read once: __init__ takes this list
+        return group
+
+    def __enter__(self) -> TrajectoryGroup:
+        group_scope.enter(self)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        group_scope.leave(self)
 
     def __iter__(self) -> Iterator[Trajectory]:
         return iter(self.trajectories)
@@ -227,6 +314,37 @@ class TrajectoryGroup:
         return event
 
 
+_warned = False
+
+
+def _warn_awaitables() -> None:
+    """Once per process, as Artery's own loops still build groups this way."""
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn(
+            "`TrajectoryGroup(awaitables)` is deprecated: use `await art.trajectory_group(...)`",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+
+
+class _PendingGroup:
+    """What ``TrajectoryGroup(awaitables)`` returns: awaited, it runs the rollouts; never
+    started (a batch skipped or cut short), ``close_unstarted`` closes them as well."""
+
+    def __init__(self, run: Coroutine[Any, Any, TrajectoryGroup], items: list[Any]) -> None:
+        self._run, self._items = run, items
+
+    def __await__(self) -> Generator[Any, None, TrajectoryGroup]:
+        return self._run.__await__()
+
+    def close_unstarted(self) -> None:
+        if inspect.getcoroutinestate(self._run) == inspect.CORO_CREATED:
+            self._run.close()
+            close_unstarted(self._items)
+
+
 async def _gather_group(cls, items: list[Any], kwargs: dict[str, Any]) -> TrajectoryGroup:
     context = current_gather()
     if context is not None:
@@ -246,7 +364,10 @@ async def _gather_group(cls, items: list[Any], kwargs: dict[str, Any]) -> Trajec
         return result
 
     with _tracer.start_as_current_span("artery.group", attributes={"artery.rollouts": len(items)}) as span:
-        results = await asyncio.gather(*(run(item) for item in items))
+        try:
+            results = await asyncio.gather(*(run(item) for item in items))
+        finally:  # cancelled: the rollouts that never started are closed, not left to warn
+            close_unstarted(items)
     trajectories = [r for r in results if isinstance(r, Trajectory)]
     exceptions = [r for r in results if isinstance(r, BaseException)]
     exceptions += list(kwargs.pop("exceptions", None) or [])

@@ -115,8 +115,8 @@ def channels() -> list[Channel]:
 
 
 PARAMETERS = {
-    "project": f"Project name: one subject token matching `{NAME_PATTERN}`.",
-    "model": f"Model name: one subject token matching `{NAME_PATTERN}`.",
+    "project": f"Project name matching `{NAME_PATTERN}`, as one token: each `.` written `=2E`.",
+    "model": f"Model name matching `{NAME_PATTERN}`, as one token: each `.` written `=2E`.",
     "service": "The service that rejected the input (e.g. `collector`).",
 }
 
@@ -166,8 +166,9 @@ def info_description() -> str:
             "Artery's wire contract: every NATS subject, JetStream stream, payload and header of the "
             "services. Payloads are JSON by default, msgpack when `Content-Type` says so. Every event "
             "carries its type in the `event` field (a tagged union); content parts carry `type`.",
-            f"Project and model names are single subject tokens matching `{NAME_PATTERN}` "
-            "(no dots, wildcards or whitespace).",
+            f"Project and model names match `{NAME_PATTERN}` (no wildcards or whitespace; a dot "
+            "inside, never first or last). In a subject or a KV key each name is one token, its "
+            "dots written `=2E` (project `a.b` is the token `a=2Eb`), since a dot separates tokens.",
             "Consumers ignore fields they do not know, so a newer publisher stays readable.",
             rules,
         ]
@@ -193,7 +194,7 @@ def _ref(*parts: str) -> dict:
 
 def buckets() -> dict:
     """Live state beside the streams: AsyncAPI has no word for it, hence an extension."""
-    found = {
+    found: dict[str, dict[str, Any]] = {
         subjects.MODELS_BUCKET: {"kind": "key-value", "key": "<project>.<model>"},
         subjects.REPLICAS_BUCKET: {
             "kind": "key-value",

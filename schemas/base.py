@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import re
 import time
 import uuid
 from typing import Annotated
@@ -13,10 +14,36 @@ import msgspec
 #: Bumped when the set of tags changes; sent in the ``Artery-Schema`` header.
 SCHEMA_VERSION = "1"
 
-# Project and model names become NATS subject tokens and KV keys, so they are restricted to
-# characters that are safe in both (no dots, wildcards or whitespace).
-NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+# Project and model names become NATS subject tokens, KV keys, file paths and served names, so
+# they are restricted to characters safe in all of them: no wildcards, whitespace or slashes. A
+# dot is allowed (ART's `Qwen2.5-7b-agent`, `v1.2`) but not first or last: ".", ".." and hidden
+# names are path-traversal bait. Where a name becomes a subject token or a key, its dots are
+# escaped (`shared.subjects.token`), or a dot would split the token in two.
+NAME_PATTERN = r"^[A-Za-z0-9_-](?:[A-Za-z0-9_.-]{0,62}[A-Za-z0-9_-])?$"
 Name = Annotated[str, msgspec.Meta(pattern=NAME_PATTERN, description="project or model name")]
+_NAME = re.compile(NAME_PATTERN)
+
+
+def name_problem(value: object) -> str | None:
+    """Why ``value`` is not a valid project or model name, in words; None when it is one."""
+    if not isinstance(value, str):
+        return f"a name is a string, not {type(value).__name__}"
+    if _NAME.match(value):
+        return None
+    if not value or len(value) > 64:
+        return "a name has 1 to 64 characters"
+    if value.startswith(".") or value.endswith("."):
+        return "a name may not start or end with a dot (., .. and hidden names are refused)"
+    return "a name holds only letters, digits, '_', '-' and '.'"
+
+
+def check_name(label: str, value: object) -> None:
+    """Raise ``ValueError`` naming ``label`` and the reason when ``value`` is not a valid name."""
+    problem = name_problem(value)
+    if problem is not None:
+        raise ValueError(f"{label} {value!r} is not a valid name: {problem} (pattern {NAME_PATTERN})")
+
+
 # No NUL: ids are keys of PostgreSQL text columns, which cannot hold one (a request carrying one
 # failed in the database, again on every redelivery, instead of being rejected once).
 EventId = Annotated[

@@ -34,8 +34,12 @@ KV_VALUES: dict[str, type] = {subjects.REPLICAS_BUCKET: ReplicaInfo, subjects.MO
 # Finding the types
 
 
-def tag(cls: type) -> str:
-    return cls.__struct_config__.tag
+def tag(cls: type[msgspec.Struct]) -> str:
+    """The event's tag (the value of its ``event`` field)."""
+    found = cls.__struct_config__.tag
+    if not isinstance(found, str):
+        raise TypeError(f"{cls.__name__} is not an event: it has no tag")
+    return found
 
 
 def event_types() -> list[type[Event]]:
@@ -59,7 +63,7 @@ def event_types() -> list[type[Event]]:
     return events
 
 
-def summary(cls: type) -> str:
+def summary(cls: type[msgspec.Struct]) -> str:
     """The first paragraph of the class docstring, on one line."""
     doc = inspect.cleandoc(cls.__doc__ or "")
     return " ".join(doc.split("\n\n")[0].split()) or f"The `{tag(cls)}` event."

@@ -100,7 +100,7 @@ class History(Struct, kw_only=True):
 
 
 # Rewards are plain floats here; the collector rejects NaN, infinities and magnitudes beyond
-# ``validate.REWARD_LIMIT`` (1e6) with a reason (msgpack can carry non-finite numbers, and JSON
+# ``shared.contract.REWARD_LIMIT`` (1e6) with a reason (msgpack can carry non-finite numbers, and JSON
 # Schema cannot express "finite").
 class Trajectory(Struct, kw_only=True):
     messages: Annotated[list[Message], msgspec.Meta(min_length=1)]

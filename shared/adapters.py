@@ -151,8 +151,10 @@ def unpack_adapter(data: bytes, dest: str | os.PathLike, expected_sha256: str) -
             # filter="data" is the standard library's own guard (no links, no special files,
             # no paths outside the target) on top of the checks above. Python before 3.11.4
             # (Debian 12 has 3.11.2) has no filters: there the checks above are the guard.
-            guard = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
-            tar.extractall(staging, members=members, **guard)
+            if hasattr(tarfile, "data_filter"):
+                tar.extractall(staging, members=members, filter="data")
+            else:
+                tar.extractall(staging, members=members)
             if dest.exists():
                 shutil.rmtree(dest)
             staging.rename(dest)
@@ -211,7 +213,7 @@ async def read_adapter(js: JetStreamContext, info: ObjectInfo) -> bytes:
         data = msg.data or b""
         buffer.write(data)
         digest.update(data)
-        seq = msg.seq + 1
+        seq = (msg.seq or seq) + 1  # the server always says which message it returned
     if buffer.tell() != size or (info.digest and digest.digest() != _digest_bytes(info.digest)):
         raise AdapterError(f"adapter {info.name!r} does not match its size and digest in the store")
     return buffer.getvalue()

@@ -75,8 +75,9 @@ def derived_id(namespace: uuid.UUID, project: str, model: str, cause: str) -> st
 
 
 def tenant_msg_id(event: Event) -> str:
-    """The event's ``Nats-Msg-Id``: its id within its tenant. Project and model names hold no dots."""
-    return f"{event.project}.{event.model}.{event.id}"
+    """The event's ``Nats-Msg-Id``: its id within its tenant. Names are escaped tokens
+    (``subjects.token``), so project ``a.b``, model ``c`` is never project ``a``, model ``b.c``."""
+    return f"{subjects.model_key(event.project, event.model)}.{event.id}"
 
 
 REPLICA_TTL_S = 30.0
@@ -187,7 +188,7 @@ def event_headers(event: Event, content_type: str = JSON, msg_id: str | None = N
         MSG_ID: msg_id or tenant_msg_id(event),
         CONTENT_TYPE: content_type,
         SCHEMA_HEADER: SCHEMA_VERSION,
-        EVENT_HEADER: type(event).__struct_config__.tag,
+        EVENT_HEADER: str(type(event).__struct_config__.tag),  # every event's tag is a string
     }
     return inject(headers)
 

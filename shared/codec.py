@@ -14,7 +14,7 @@ crash.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import msgspec
@@ -194,6 +194,7 @@ def nesting_depth(value: Any, limit: int = MAX_NESTING) -> int:
     pending = [(value, 1)]
     while pending:
         item, depth = pending.pop()
+        children: Iterable[Any]
         if isinstance(item, Mapping):
             children = item.values()
         elif isinstance(item, list | tuple):

@@ -8,6 +8,9 @@ This is the one place where errors become JetStream outcomes (``errors.dispositi
   outage is waited out without losing or re-dead-lettering anything;
 - any other exception (a bug): nak with delay, and dead-lettered as ``poison`` once it has been
   delivered ``max_deliveries`` times, so one bad message cannot stall a service forever.
+
+A service does not write the batch handler itself: ``shared.subscriber.Subscriber`` decodes and
+checks each message, opens its span and calls the service's typed ``handle(event, ctx)``.
 """
 
 from __future__ import annotations
@@ -94,9 +97,9 @@ class DurableConsumer:
         self.stats = ConsumerStats()
         self._backoff = self.options.backoff_initial_s
         self._stopping = asyncio.Event()
-        self._sub = None
+        self._sub: JetStreamContext.PullSubscription | None = None
 
-    async def subscribe(self):
+    async def subscribe(self) -> JetStreamContext.PullSubscription:
         o = self.options
         return await self.js.pull_subscribe(
             self.filter_subject,
@@ -116,13 +119,15 @@ class DurableConsumer:
 
     async def start(self) -> None:
         """Create (or bind to) the durable consumer; ``run`` then processes messages."""
+        await self._subscribed()
+
+    async def _subscribed(self) -> JetStreamContext.PullSubscription:
         self._sub = await self.subscribe()
         log.info("consuming", stream=self.stream.name, durable=self.durable)
+        return self._sub
 
     async def run(self) -> None:
-        if self._sub is None:
-            await self.start()
-        sub = self._sub
+        sub = self._sub if self._sub is not None else await self._subscribed()
         while not self._stopping.is_set():
             try:
                 msgs = await sub.fetch(self.options.batch_size, timeout=self.options.fetch_timeout_s)
@@ -261,7 +266,7 @@ def _names_from_subject(subject: str) -> tuple[str, str]:
     tokens = subject.split(".")
     if len(tokens) < 4 or tokens[0] != subjects.PREFIX:
         return UNKNOWN, UNKNOWN
-    project, model = tokens[-2], tokens[-1]
+    project, model = subjects.name_of(tokens[-2]), subjects.name_of(tokens[-1])
     return (project if _NAME.match(project) else UNKNOWN, model if _NAME.match(model) else UNKNOWN)
 
 

@@ -16,6 +16,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import nats
 from nats.js import JetStreamContext
@@ -32,8 +33,8 @@ from artery.shared.logs import get_logger
 log = get_logger(__name__)
 
 _replica_decoder = EventDecoder(ReplicaInfo)
-_pause_ack_decoder = EventDecoder(PauseAck)
-_resume_ack_decoder = EventDecoder(ResumeAck)
+_ack_decoders = {PauseAck: EventDecoder(PauseAck), ResumeAck: EventDecoder(ResumeAck)}
+Ack = TypeVar("Ack", PauseAck, ResumeAck)
 
 
 @dataclass(frozen=True)
@@ -104,13 +105,19 @@ async def registered_replicas(js: JetStreamContext, keys: str = ">") -> list[Rep
 
 
 async def _scatter_gather(
-    nc: nats.NATS, subject: str, request, decoder: EventDecoder, expected: set[str], timeout_s: float
-) -> tuple[dict[str, object], float]:
-    """Publish ``request`` once and collect one ack per replica until all expected answered."""
+    nc: nats.NATS,
+    subject: str,
+    request: PauseInference | ResumeInference,
+    ack_type: type[Ack],
+    expected: set[str],
+    timeout_s: float,
+) -> tuple[dict[str, Ack], float]:
+    """Publish ``request`` once and collect one ``ack_type`` per replica until all expected answered."""
     started = time.monotonic()
+    decoder = _ack_decoders[ack_type]
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)  # before the publish: the server orders both on one connection
-    acks: dict[str, object] = {}
+    acks: dict[str, Ack] = {}
     try:
         await nc.publish(subject, encode(request), reply=inbox, headers=event_headers(request))
         deadline = started + timeout_s
@@ -125,7 +132,7 @@ async def _scatter_gather(
             if msg.headers and msg.headers.get("Status") == "503":  # no subscriber at all
                 break
             try:
-                ack = decoder.decode(msg.data, (msg.headers or {}).get(CONTENT_TYPE))
+                ack: Ack = decoder.decode(msg.data, (msg.headers or {}).get(CONTENT_TYPE))
             except InvalidMessage as exc:
                 log.warning("unreadable control ack", error=str(exc))
                 continue
@@ -168,7 +175,7 @@ async def pause_replicas(
     )
     expected = {r.replica_id for r in live}
     acks, elapsed = await _scatter_gather(
-        nc, subjects.control("pause", project, model), request, _pause_ack_decoder, expected, timeout_s
+        nc, subjects.control("pause", project, model), request, PauseAck, expected, timeout_s
     )
     failed = {rid: ack.error or "did not pause" for rid, ack in acks.items() if ack.error or not ack.paused}
     outcome = PauseOutcome(
@@ -231,7 +238,7 @@ async def resume_replicas(
     )
     expected = {r.replica_id for r in live}
     acks, elapsed = await _scatter_gather(
-        nc, subjects.control("resume", project, model), request, _resume_ack_decoder, expected, timeout_s
+        nc, subjects.control("resume", project, model), request, ResumeAck, expected, timeout_s
     )
     outcome = ResumeOutcome(
         lease_id=lease_id,

@@ -385,7 +385,7 @@ class PostgresServer:
             )
 
     def _chown(self, path: Path) -> None:
-        if self.uid is not None:
+        if self.uid is not None and self.gid is not None:  # both set, or neither (``_run_as``)
             os.chown(path, self.uid, self.gid)
 
     def init(self) -> None:
@@ -494,7 +494,9 @@ class PostgresServer:
             lines = (self.data_dir / "postmaster.pid").read_text().splitlines()
         except OSError:
             return False
-        return len(lines) >= 8 and lines[0] == str(self.proc.pid) and lines[7].strip() == "ready"
+        if self.proc is None or len(lines) < 8:
+            return False
+        return lines[0] == str(self.proc.pid) and lines[7].strip() == "ready"
 
     def stop(self, timeout: float = 20.0) -> None:
         """Fast shutdown (SIGINT): open connections are cut, committed data is kept."""

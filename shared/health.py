@@ -22,7 +22,10 @@ import contextlib
 import importlib.metadata
 import json
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from nats.micro import Service
 
 READY_EVENT = "ready"
 
@@ -111,7 +114,7 @@ class NatsReadiness:
         self.nc = nc
         self.name = name
         self.metadata = metadata
-        self._service = None
+        self._service: Service | None = None
 
     async def start(self) -> None:
         from nats import micro

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Iterator
 from typing import Annotated
 
 import h11
@@ -70,8 +71,7 @@ async def serve_http(
         timeout_keep_alive=limits.keep_alive_s,
         h11_max_incomplete_event_size=limits.max_header_bytes,
     )
-    server = uvicorn.Server(config)
-    server.install_signal_handlers = lambda: None  # our runtime owns SIGTERM/SIGINT
+    server = _Server(config)
     task = asyncio.create_task(server.serve())
     while not server.started:
         if task.done():
@@ -90,6 +90,16 @@ async def stop_http(server: uvicorn.Server, task: asyncio.Task, grace_s: float =
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+class _Server(uvicorn.Server):
+    """A server that leaves SIGTERM and SIGINT to the process's runtime (``shared.runtime``),
+    which stops the service in its order (leave the registries, drain, then ``stop_http``).
+    uvicorn would otherwise take both signals for itself while it serves."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
 
 
 def _plain_response(status: int, reason: str) -> bytes:

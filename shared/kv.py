@@ -62,7 +62,7 @@ async def latest_values(
         found: dict[str, bytes] = {}
         # num_pending at creation: one message per matching key, the last of each.
         async with asyncio.timeout(timeout_s):
-            for _ in range(info.num_pending):
+            for _ in range(info.num_pending or 0):  # the server always sets it on creation
                 msg = await sub.next_msg(timeout=timeout_s)
                 if (msg.headers or {}).get(_KV_OPERATION) in _REMOVED:
                     continue

@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import logging
 import os
+from collections.abc import Mapping
 
 from opentelemetry.sdk.trace.export import SpanExporter
 
@@ -27,7 +28,7 @@ DEFAULT_HOST = "https://cloud.langfuse.com"
 OTEL_PATH = "/api/public/otel/v1/traces"
 
 
-def settings(env: dict[str, str] | None = None) -> tuple[str, dict[str, str]] | None:
+def settings(env: Mapping[str, str] | None = None) -> tuple[str, dict[str, str]] | None:
     """The endpoint and headers Langfuse's variables ask for; ``None`` when they are not set.
     A key without the other is a mistake: said once, and nothing is sent."""
     env = os.environ if env is None else env

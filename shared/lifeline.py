@@ -39,6 +39,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 #: The pid of the program a child lives no longer than.
 PARENT_ENV = "ARTERY_LIFELINE_PID"
@@ -162,7 +163,7 @@ def watch_parent(
     pid = os.environ[PARENT_ENV]
 
     def watch() -> None:
-        if not gone_already:
+        if parent is not None and not gone_already:
             first_gone([parent])
         notify(f"the program that started this process (pid {pid}) is gone: stopping")
         os.kill(os.getpid(), signal.SIGTERM)
@@ -190,7 +191,7 @@ def guard(
     argv += [",".join(f"{int(sig)}:{wait}" for sig, wait in stops)]
     if fd is not None:
         argv += [str(fd)]
-    log = open(log_file, "ab") if log_file is not None else subprocess.DEVNULL
+    log: BinaryIO | int = open(log_file, "ab") if log_file is not None else subprocess.DEVNULL
     try:
         return subprocess.Popen(
             argv,
@@ -204,7 +205,7 @@ def guard(
     finally:
         if fd is not None:
             os.close(fd)
-        if log is not subprocess.DEVNULL:
+        if not isinstance(log, int):  # DEVNULL is a number, not a file to close
             log.close()
 
 

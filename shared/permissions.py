@@ -55,7 +55,7 @@ import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from artery.schemas.base import NAME_PATTERN
+from artery.schemas.base import NAME_PATTERN, check_name
 from artery.shared import subjects
 from artery.shared.kv import kv_stream
 
@@ -99,15 +99,17 @@ class NatsUser:
             raise ValueError(f"user name {self.name!r} must match {NAME_PATTERN} (it is an inbox token)")
         if (self.role == "agent") != (self.project is not None):
             raise ValueError("a project is given for agent users, and only for them")
-        if self.project is not None and not _NAME.match(self.project):
-            raise ValueError(f"project {self.project!r} must match {NAME_PATTERN}")
+        if self.project is not None:
+            check_name("project", self.project)
         if not self.password or any(c in self.password for c in '"\\\n'):
             raise ValueError(f"password of {self.name!r} is empty or has a quote, backslash or newline")
 
 
 def inbox_prefix(user: str) -> str:
-    """The inbox prefix a user's client must use (``auth.nats_connect_options`` sets it)."""
-    return f"_INBOX.{user}"
+    """The inbox prefix a user's client must use (``auth.nats_connect_options`` sets it): one
+    token, so a user ``agent-a.b`` is escaped like a name (``subjects.token``), never read as
+    ``_INBOX.agent-a`` plus a token ``b``."""
+    return f"_INBOX.{subjects.token(user)}"
 
 
 def _obj_stream(bucket: str) -> str:
@@ -291,13 +293,13 @@ def permissions(role: str, user: str, *, project: str | None = None) -> Permissi
                 subjects.register_request(project, "*"),  # register(), written by the publisher
                 subjects.replicas_request(project, "*"),  # finding a replica's URL
                 f"{JS_API}.STREAM.NAMES",  # provision_if_missing: names only, the same for all
-                *_kv_read(models, f"{project}.*"),  # its own models' records only
+                *_kv_read(models, subjects.model_key(project, "*")),  # its own models' records only
             ),
             subscribe=(
                 subjects.train("*", project, ">"),
                 # train() returns when every replica serves the new step: it hears their
                 # registry entries change instead of polling them.
-                subjects.kv_updates(replicas, f"{project}.>"),
+                subjects.kv_updates(replicas, subjects.project_keys(project)),
                 inbox,
             ),
             deny_publish=(*deny, *AGENT_DENIED_ADMIN, *AGENT_DENIED_STORES),

@@ -17,8 +17,10 @@ or fails a request again and again.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable
 
 import msgspec
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
@@ -27,6 +29,7 @@ from artery.schemas import (
     ModelRecord,
     ModelRegistered,
     ModelRegistrationRequested,
+    ReplicaInfo,
     ReplicasListed,
     ReplicasRequested,
     new_event_id,
@@ -40,6 +43,7 @@ from artery.shared.logs import get_logger
 
 log = get_logger(__name__)
 _decoder = msgspec.json.Decoder(ModelRecord)
+_replica_info = msgspec.json.Decoder(ReplicaInfo)
 
 
 class RegistryEntry(msgspec.Struct, frozen=True):
@@ -70,7 +74,8 @@ async def read_record(kv: KeyValue, project: str, model: str) -> RegistryEntry |
     except KeyNotFoundError:  # never registered, or deleted
         return None
     record = decode_record(project, model, entry.value or b"")
-    return None if record is None else RegistryEntry(record, entry.revision)
+    # nats-py types the revision as optional; an entry read from the bucket always has one.
+    return None if record is None or entry.revision is None else RegistryEntry(record, entry.revision)
 
 
 def models_kv(js: JetStreamContext) -> KeyValue:
@@ -195,3 +200,17 @@ async def project_replicas(js: JetStreamContext, project: str, model: str, *, ti
                 f" within {timeout_s}s: {failure!r}"
             ) from failure
         await asyncio.sleep(0.1)  # a publisher restarting: its subscription is back within seconds
+
+
+def served_by_updates(messages: Iterable[Msg]) -> dict[str, list[str]]:
+    """What each replica serves by the registry updates heard (deletions left out)."""
+    served: dict[str, list[str]] = {}
+    for msg in messages:
+        if (msg.headers or {}).get("KV-Operation") in ("DEL", "PURGE"):
+            continue
+        try:
+            info = _replica_info.decode(msg.data)
+        except msgspec.DecodeError:  # not a heartbeat we can read: the store read decides
+            continue
+        served[info.replica_id] = list(info.served)
+    return served

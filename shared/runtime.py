@@ -12,12 +12,15 @@ import asyncio
 import contextlib
 import os
 import signal
-from collections.abc import Awaitable, Callable
+import sys
+from collections.abc import Callable, Coroutine
+from typing import Any, NoReturn
 
 import nats
 import structlog
 
 from artery.shared import bus, subjects
+from artery.shared.errors import ConfigError
 from artery.shared.health import HEALTH, NatsReadiness, note_log_event
 from artery.shared.lifeline import watch_parent
 from artery.shared.logs import get_logger, setup_logging
@@ -31,6 +34,8 @@ log = get_logger(__name__)
 SHUTDOWN_GRACE_S = 10.0
 #: How long a stopping service may spend exporting its last spans.
 TRACE_FLUSH_S = 3.0
+#: The exit status of a service refused an invalid setting (a crash exits 1).
+CONFIG_EXIT_STATUS = 2
 #: The connection ``connect_service`` made, by service: the NATS readiness service answers on it.
 _connections: dict[str, nats.NATS] = {}
 
@@ -48,7 +53,7 @@ async def connect_service(service: str, common: CommonSettings) -> nats.NATS:
 def _watch_ready_line() -> None:
     """Mark the process ready when it logs ``ready``: seen by the logger's ``info`` itself, so
     that a log level that filters the line out (``ARTERY_LOG_LEVEL=warning``) changes nothing."""
-    base = structlog.get_config()["wrapper_class"]
+    base: Any = structlog.get_config()["wrapper_class"]  # whichever class logging set up
     if getattr(base, "watches_ready", False):
         return
 
@@ -94,17 +99,35 @@ async def _stop_announcing(announcing: asyncio.Task) -> None:
         await readiness.stop()
 
 
+def _refuse(exc: ConfigError) -> NoReturn:
+    """End the process over an invalid setting: nothing to debug in a traceback, only the setting
+    to fix, said once."""
+    log.error("invalid settings", error=str(exc))
+    raise SystemExit(CONFIG_EXIT_STATUS) from None
+
+
 def run_service(
     service: str,
-    start: Callable[[CommonSettings, asyncio.Event], Awaitable[None]],
+    start: Callable[[CommonSettings, asyncio.Event], Coroutine[Any, Any, None]],
 ) -> None:
-    """Read the common settings, set up logs and traces, run ``start`` until SIGTERM/SIGINT."""
-    common = load(CommonSettings, "ARTERY_")
+    """Read the common settings, set up logs and traces, run ``start`` until SIGTERM/SIGINT.
+
+    ``start`` reads its service's settings first, before it imports anything heavy (torch): an
+    invalid setting ends the process at once with exit status 2, the variable named.
+    """
+    try:
+        common = load(CommonSettings, "ARTERY_")
+    except ConfigError as exc:  # no logging yet (its format is one of these settings)
+        print(f"artery-{service}: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(CONFIG_EXIT_STATUS) from None
     setup_logging(service, common.log_level, common.log_format)
     watch_parent(log.warning)  # started by a stack: stop once the program that started it is gone
     _watch_ready_line()
     # /metrics, /healthz, /readyz; its URL goes on every log line (``ready`` too)
-    metrics_url = start_metrics_server(service)
+    try:
+        metrics_url = start_metrics_server(service)
+    except ConfigError as exc:
+        _refuse(exc)
     setup_tracing(service, common.otel_endpoint)
 
     name = service
@@ -137,6 +160,8 @@ def run_service(
 
     try:
         asyncio.run(main())
+    except ConfigError as exc:
+        _refuse(exc)
     finally:
         # Spans wait in a batch for up to 5 s: export them before the process is gone (within
         # TRACE_FLUSH_S: the stack kills a service SHUTDOWN_GRACE_S + 5 s after asking it to stop).

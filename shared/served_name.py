@@ -4,6 +4,9 @@ A step is written in ASCII digits without leading zeros (``0`` alone is step 0).
 strict as writing, so that one step has one name: Python's ``str.isdigit`` and ``int`` (and the
 regex ``\\d``) also take ``０`` (fullwidth), ``٠`` (Arabic-Indic) and ``00``, which would otherwise
 all be served, routed and counted as step 0 under names nothing else writes.
+
+A model name may hold dots (``agent-1.5@3``) but never ``@`` (``schemas.base.NAME_PATTERN``), so
+the last ``@`` always separates the model from the step.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ every service use the prefix ``ARTERY_`` (``ARTERY_NATS_URL``, ``ARTERY_DATABASE
 from __future__ import annotations
 
 import os
+import re
 import typing
 from collections.abc import Mapping
 from typing import Annotated, TypeVar
@@ -19,6 +20,8 @@ import msgspec
 from artery.shared.errors import ConfigError
 
 S = TypeVar("S", bound=msgspec.Struct)
+#: Where msgspec says the wrong value is: the field, which names the variable.
+_AT_FIELD = re.compile(r" - at `\$\.(\w+)`$")
 
 
 def doc(description: str, **constraints) -> msgspec.Meta:
@@ -50,7 +53,12 @@ def load(cls: type[S], prefix: str, environ: Mapping[str, str] | None = None) ->
         # strict=False lets "8" become 8 and "true" become True, as environment values need.
         return msgspec.convert(raw, cls, strict=False)
     except msgspec.ValidationError as exc:
-        raise ConfigError(f"invalid setting ({prefix}*): {exc}") from exc
+        # The variable, not the field: what the operator set. Its value is left out (a secret?).
+        at = _AT_FIELD.search(str(exc))
+        if at is None:
+            raise ConfigError(f"invalid setting ({prefix}*): {exc}") from exc
+        problem = str(exc)[: at.start()]
+        raise ConfigError(f"invalid setting {prefix}{at.group(1).upper()}: {problem}") from exc
 
 
 def describe(cls: type[msgspec.Struct], prefix: str) -> list[tuple[str, str, str]]:

@@ -1,7 +1,10 @@
 """Every subject, stream, consumer and bucket name Artery uses, in one place.
 
 Handlers never spell a subject themselves; the AsyncAPI document is generated from this module.
-Project and model names are single subject tokens (see ``schemas.base.NAME_PATTERN``).
+Project and model names may hold dots (``schemas.base.NAME_PATTERN``), and a dot separates
+subject tokens and KV key tokens. So every name becomes a token through ``token``, one reversible
+escape (``.`` -> ``=2E``; ``=`` is legal in subjects and keys and never in a name), and is read
+back through ``name_of``. A name without a dot is its own token, so subjects did not change.
 """
 
 from __future__ import annotations
@@ -9,6 +12,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 PREFIX = "artery"
+
+#: What a dot in a name becomes in a subject token or key: ``=`` never occurs in a name, so the
+#: escape is unambiguous and reversible (project ``a.b`` is ``a=2Eb``, never ``a`` then ``b``).
+DOT_ESCAPE = "=2E"
+
+
+def token(name: str) -> str:
+    """``name`` as one subject token or KV key token. The wildcards ``*`` and ``>`` pass as they
+    are, so the helpers below build filters too."""
+    return name.replace(".", DOT_ESCAPE)
+
+
+def name_of(subject_token: str) -> str:
+    """The name a token (from ``token``) stands for."""
+    return subject_token.replace(DOT_ESCAPE, ".")
+
+
+def _pm(project: str, model: str) -> str:
+    """``<project>.<model>`` as two tokens, each escaped."""
+    return f"{token(project)}.{token(model)}"
 
 
 @dataclass(frozen=True)
@@ -65,11 +88,11 @@ HEALTH_REQUESTS = "$SRV.>"
 
 
 def trajectories(project: str, model: str) -> str:
-    return f"{PREFIX}.traj.{project}.{model}"
+    return f"{PREFIX}.traj.{_pm(project, model)}"
 
 
 def group_ready(project: str, model: str) -> str:
-    return f"{PREFIX}.group.ready.{project}.{model}"
+    return f"{PREFIX}.group.ready.{_pm(project, model)}"
 
 
 #: Every ``group.ready``, whatever the project and model (the reward service's filter).
@@ -77,12 +100,12 @@ GROUPS_READY = f"{PREFIX}.group.ready.>"
 
 
 def group_scored(project: str, model: str) -> str:
-    return f"{PREFIX}.group.scored.{project}.{model}"
+    return f"{PREFIX}.group.scored.{_pm(project, model)}"
 
 
 def train(kind: str, project: str, model: str) -> str:
     """``kind`` is ``requested``, ``completed`` or ``failed``."""
-    return f"{PREFIX}.train.{kind}.{project}.{model}"
+    return f"{PREFIX}.train.{kind}.{_pm(project, model)}"
 
 
 #: Every ``checkpoint.saved``, whatever the project and model (the publisher's filter).
@@ -91,29 +114,29 @@ CHECKPOINTS_SAVED = f"{PREFIX}.ckpt.saved.>"
 
 def checkpoint(kind: str, project: str, model: str) -> str:
     """``kind`` is ``saved``, ``published`` or ``deleted``."""
-    return f"{PREFIX}.ckpt.{kind}.{project}.{model}"
+    return f"{PREFIX}.ckpt.{kind}.{_pm(project, model)}"
 
 
 def control(action: str, project: str, model: str) -> str:
     """``action`` is ``pause`` or ``resume``; request/reply, no stream."""
-    return f"{PREFIX}.control.inference.{project}.{model}.{action}"
+    return f"{PREFIX}.control.inference.{_pm(project, model)}.{action}"
 
 
 def retention_request(project: str, model: str) -> str:
     """Ask the publisher to apply retention now; request/reply, no stream."""
-    return f"{PREFIX}.control.publisher.{project}.{model}.retain"
+    return f"{PREFIX}.control.publisher.{_pm(project, model)}.retain"
 
 
 def register_request(project: str, model: str) -> str:
     """Ask the control plane (the publisher) to register a model; request/reply, no stream.
     Agents never write the models bucket themselves (``services.publisher.registry``)."""
-    return f"{PREFIX}.control.publisher.{project}.{model}.register"
+    return f"{PREFIX}.control.publisher.{_pm(project, model)}.register"
 
 
 def replicas_request(project: str, model: str) -> str:
     """Ask the control plane for a model's live replicas; request/reply, no stream. Agents
     create no consumers: the publisher reads the replicas bucket on their behalf."""
-    return f"{PREFIX}.control.publisher.{project}.{model}.replicas"
+    return f"{PREFIX}.control.publisher.{_pm(project, model)}.replicas"
 
 
 def dead_letter(service: str) -> str:
@@ -121,17 +144,28 @@ def dead_letter(service: str) -> str:
 
 
 def model_key(project: str, model: str) -> str:
-    return f"{project}.{model}"
+    return _pm(project, model)
 
 
 def replica_key(project: str, model: str, replica_id: str) -> str:
     """A replica's heartbeat key: under its project, so that reading can be granted per project."""
-    return f"{project}.{model}.{replica_id}"
+    return f"{_pm(project, model)}.{replica_id}"
 
 
 def replica_keys(project: str, model: str) -> str:
     """The key filter of every replica of ``project``/``model``."""
-    return f"{project}.{model}.>"
+    return f"{_pm(project, model)}.>"
+
+
+def project_keys(project: str) -> str:
+    """The key filter of everything of ``project`` in a bucket keyed ``<project>.<model>...``."""
+    return f"{token(project)}.>"
+
+
+def names_of_key(key: str) -> tuple[str, str] | None:
+    """(project, model) of a ``model_key``, or None when it is not one."""
+    parts = key.split(".")
+    return (name_of(parts[0]), name_of(parts[1])) if len(parts) == 2 else None
 
 
 def kv_updates(bucket: str, keys: str) -> str:
@@ -145,7 +179,7 @@ def parse_trajectories(subject: str) -> tuple[str, str] | None:
     parts = subject.split(".")
     if len(parts) != 4 or parts[:2] != [PREFIX, "traj"]:
         return None
-    return parts[2], parts[3]
+    return name_of(parts[2]), name_of(parts[3])
 
 
 def covers(subject_filter: str, subject: str) -> bool:

@@ -159,10 +159,12 @@ def _build_tokenizer(vocab_size: int):
     )
     raw.train_from_iterator(_corpus(), trainer=trainer)
     bpe = json.loads(raw.to_str())["model"]
+    # transformers annotates merges as strings and unk_token as a string; the tokenizers BPE it
+    # builds takes pairs, and None means no unknown token (byte-level BPE needs none).
     tokenizer = Qwen2Tokenizer(
         vocab=bpe["vocab"],
-        merges=[tuple(m) for m in bpe["merges"]],
-        unk_token=None,
+        merges=[tuple(m) for m in bpe["merges"]],  # type: ignore[misc]
+        unk_token=None,  # type: ignore[arg-type]
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         model_max_length=2048,

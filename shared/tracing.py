@@ -29,6 +29,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from opentelemetry.util.types import AttributeValue
 
 _propagator = TraceContextTextMapPropagator()
 _provider: TracerProvider | None = None
@@ -139,7 +140,7 @@ def continue_trace(
     headers: Mapping[str, str] | None,
     *,
     kind: trace.SpanKind = trace.SpanKind.CONSUMER,
-    attributes: Mapping[str, object] | None = None,
+    attributes: Mapping[str, AttributeValue | None] | None = None,
     links: Iterable[trace.Link] = (),
 ) -> Iterator[trace.Span]:
     """A current span whose parent is the one that sent ``headers`` (a new trace without one)."""

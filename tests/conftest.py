@@ -28,6 +28,7 @@ from artery.shared import bus
 from artery.shared.db import init_connection, migrate
 from artery.shared.embedded import NatsServer, PostgresServer
 from artery.shared.settings import CommonSettings
+from tests.tiers import FAST_TIERS, SERVER_FIXTURES, SLOW_MODULES, TIER_OF_MODULE
 
 # litellm would fetch its price map from the internet at import time.
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
@@ -49,6 +50,26 @@ def pytest_configure(config):
     if config.option.basetemp is None and not hasattr(config, "workerinput"):
         config.option.basetemp = tempfile.mkdtemp(prefix="artery-tests-")
         config.artery_own_basetemp = True
+
+
+def pytest_collection_modifyitems(config, items):
+    """Each test gets its module's tier as a marker (``tests/tiers.py``; ``-m unit`` selects it).
+
+    A test of a tier that runs without servers which asks for one is refused at collection: the
+    table would be wrong, and ``make test-fast`` would start servers."""
+    misplaced = []
+    for item in items:
+        tier = TIER_OF_MODULE.get(item.path.name)
+        if tier is None:  # a module not in the table: test_tiers.py fails on it
+            continue
+        item.add_marker(getattr(pytest.mark, tier))
+        if item.path.name in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
+        if tier in FAST_TIERS and (servers := SERVER_FIXTURES.intersection(item.fixturenames)):
+            misplaced.append(f"{item.nodeid} ({tier}) uses {', '.join(sorted(servers))}")
+    if misplaced:
+        listed = "\n".join(misplaced)
+        raise pytest.UsageError(f"tests/tiers.py: these need servers, not their tier:\n{listed}")
 
 
 def pytest_sessionstart(session):

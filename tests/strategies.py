@@ -165,8 +165,8 @@ _BASE = base_group()
 # Wrong values per field, each one invalid whatever the encoding.
 _WRONG: dict[tuple, list] = {
     ("id",): [None, 7, "", "x" * 129, [], {}, "a\x00b"],
-    ("project",): ["", "a.b", "a b", "x" * 65, "é", 5, None, "*", ">"],
-    ("model",): ["", "a.b", "x" * 65, 1.5, ["agent"]],
+    ("project",): ["", ".a", "..", "a b", "x" * 65, "é", 5, None, "*", ">", "a=2Eb"],
+    ("model",): ["", "a.", ".", "x" * 65, 1.5, ["agent"]],
     ("step",): [-1, 2**31, "3", 1.5, [], 2**64 - 1],
     ("time",): ["yesterday", "2024-01-01T00:00:00", None, 0, "2024-13-01T00:00:00Z"],
     ("split",): ["", "a b", "x" * 33, 1, None],
@@ -552,7 +552,7 @@ _TRAIN = {
 }
 _TRAIN_WRONG: dict[tuple, list] = {
     ("id",): [None, "", "x" * 129, 5, "a\x00b"],
-    ("project",): ["", "a.b", "x" * 65, None],
+    ("project",): ["", "..", "x" * 65, None],
     ("group_ids",): [[], "g1", None, [1], [""], ["x" * 129], ["a\x00"]],
     ("config",): ["fast", [], 1],
     ("config", "learning_rate"): [0, -1e-5, "fast", math.nan, None],
@@ -680,7 +680,7 @@ _CONTROL_WRONG: dict[str, dict[tuple, list]] = {
         ("lease_seconds",): [0, -1, 3601, "x", None, math.nan, math.inf],
         ("lease_id",): ["", "x" * 129, 5, None],
         ("requested_by",): [5, None],
-        ("project",): ["", "a.b", None],
+        ("project",): ["", "..", None],
         ("free_memory",): ["yes", 2],
         ("event",): ["control.resume", "control.pause_ack", "", 1],
     },

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
 import io
 import json
 import os
 import tarfile
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -29,6 +27,7 @@ from artery.shared.adapters import (
     unpack_adapter,
 )
 from artery.shared.settings import CommonSettings
+from tests.helpers import FakeEngine, wait_until
 
 PROJECT, MODEL = "proj", "agent"
 
@@ -165,24 +164,6 @@ async def test_object_store_round_trip(js, tmp_path):
 # -- checkpoint watcher --------------------------------------------------------------------------
 
 
-@dataclass
-class FakeEngine:
-    kind: str = "fake"
-    loads: list[tuple[str, dict[str, torch.Tensor]]] = field(default_factory=list)
-
-    async def load_adapter(self, name: str, path: Path) -> None:
-        # What a real engine would read: the safetensors file, copied out of the cache dir.
-        self.loads.append((name, load_file(str(path / "adapter_model.safetensors"))))
-
-    unloads: list[str] = field(default_factory=list)
-
-    async def unload_adapter(self, name: str) -> None:
-        self.unloads.append(name)
-
-    def adapters(self) -> list[str]:
-        return [name for name, _ in self.loads if name not in self.unloads]
-
-
 async def publish_adapter(js, tmp_path: Path, step: int, *, sha256: str | None = None) -> bytes:
     data = pack_adapter(make_adapter(tmp_path / f"adapter-{step}", seed=step))
     object_name = f"{PROJECT}/{MODEL}/step-{step}"
@@ -200,13 +181,6 @@ async def publish_adapter(js, tmp_path: Path, step: int, *, sha256: str | None =
     )
     await bus.publish_event(js, subjects.checkpoint("published", PROJECT, MODEL), event)
     return data
-
-
-async def wait_until(predicate, timeout: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
 
 
 async def test_watcher_loads_the_newest_published_adapter_then_follows_live(js, tmp_path):

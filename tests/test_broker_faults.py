@@ -29,7 +29,7 @@ from artery.shared.bus import publish_event
 from artery.shared.settings import CommonSettings
 from artery.testing.cluster import NatsCluster
 from tests.factories import group
-from tests.test_collector import wait_for
+from tests.helpers import wait_for
 
 pytestmark = [pytest.mark.timeout(150), pytest.mark.slow]
 

@@ -2,25 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import msgspec
 
 from artery.schemas import GroupReady
 from artery.shared import subjects
 from artery.shared.bus import publish_event
 from tests.factories import group
-
-
-async def wait_for(predicate, timeout=15.0, interval=0.05):
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        value = await predicate()
-        if value:
-            return value
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"condition not met in {timeout}s (last value {value!r})")
-        await asyncio.sleep(interval)
 
 
 async def test_group_is_stored_and_announced(js, db, run_collector):

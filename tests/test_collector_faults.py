@@ -14,7 +14,7 @@ from artery.shared import subjects
 from artery.shared.bus import event_headers, publish_event, publish_events
 from artery.shared.codec import MSGPACK, encode
 from tests.factories import group
-from tests.test_collector import wait_for
+from tests.helpers import wait_for
 
 SUBJECT = subjects.trajectories("demo", "agent")
 

@@ -847,6 +847,9 @@ async def test_nats_conf_runs_with_the_generated_users_and_the_healthcheck_sees_
 NOT_ON_DASHBOARD = {
     # A gauge for reading /metrics without Prometheus; the dashboard shows rate() of the counter.
     "artery_inference_tokens_per_second",
+    # Counted where an agent waits (the SDK's train() and restore), a process Prometheus does not
+    # scrape; the loop benchmark reads it (loop.json's fallbacks_fired).
+    "artery_wakeup_fallbacks",
 }
 _METRIC_NAME = re.compile(r"\b(artery_[a-z0-9_]+|up)\b")
 

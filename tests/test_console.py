@@ -19,7 +19,7 @@ import pytest
 import artery as art
 from artery.shared.models import TINY
 from artery.testing.agents import half_alphabet_rollout
-from tests.test_collector import wait_for
+from tests.helpers import wait_for
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 DOCS = Path(__file__).resolve().parent.parent / "docs"

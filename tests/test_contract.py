@@ -308,7 +308,8 @@ SUBMITTED = as_json(EXAMPLES[0])
 INVALID = {
     "wrong type": (GroupReady, {**GROUP_READY, "num_trajectories": "two"}),
     "missing required field": (GroupReady, _without(GROUP_READY, "group_id")),
-    "project name with a dot": (GroupReady, {**GROUP_READY, "project": "demo.evil"}),
+    "project name with a leading dot": (GroupReady, {**GROUP_READY, "project": ".evil"}),
+    "project name that is a parent directory": (GroupReady, {**GROUP_READY, "project": ".."}),
     "empty trajectories": (TrajectoryGroupSubmitted, {**SUBMITTED, "trajectories": []}),
     "empty messages": (
         TrajectoryGroupSubmitted,
@@ -371,6 +372,12 @@ NOT_SUBJECT_FUNCTIONS = {
     "kv_updates",
     "parse_trajectories",
     "covers",  # subject matching, not a subject
+    # names as tokens: the escape of a dot, and keys read back into names
+    "token",
+    "name_of",
+    "_pm",
+    "project_keys",
+    "names_of_key",
 }
 SUBJECT_FUNCTIONS = [
     fn

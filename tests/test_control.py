@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import msgspec
 import pytest
@@ -24,6 +24,7 @@ from artery.shared.control_client import (
     resume_replicas,
 )
 from artery.shared.settings import CommonSettings
+from tests.helpers import FakeEngine, wait_until
 
 PROJECT, MODEL = "proj", "agent"
 
@@ -32,19 +33,6 @@ PROJECT, MODEL = "proj", "agent"
 def common_settings(nats_server) -> CommonSettings:
     # These tests need NATS only; overriding this keeps PostgreSQL out of them.
     return CommonSettings(nats_url=nats_server.url)
-
-
-@dataclass
-class FakeEngine:
-    kind: str = "fake"
-    calls: list[str] = field(default_factory=list)
-
-    async def sleep(self) -> bool:
-        self.calls.append("sleep")
-        return True
-
-    async def wake(self) -> None:
-        self.calls.append("wake")
 
 
 @dataclass
@@ -90,13 +78,6 @@ async def start_replica(common_settings):
         await replica.registry.stop()
         await replica.gate.close()
         await conn.close()
-
-
-async def wait_until(predicate, timeout: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
 
 
 async def test_replicas_register_and_deregister(nc, js, start_replica):

@@ -41,7 +41,7 @@ from artery.shared.db import init_connection
 from artery.shared.embedded import PostgresServer
 from artery.testing.judge import serve_scripted_judge
 from tests.factories import register_trainable
-from tests.test_collector import wait_for
+from tests.helpers import wait_for
 from tests.test_publisher import messages_on, saved_event, settled, write_adapter
 from tests.test_reward_service import by_content, ruler_group
 

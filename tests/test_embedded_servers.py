@@ -1,5 +1,5 @@
 """The embedded servers start without port races and clean up after themselves (``shared.embedded``,
-``artery.testing.cluster``): nats-server binds ports of its own choosing, PostgreSQL moves off a port taken
+``shared.cluster``): nats-server binds ports of its own choosing, PostgreSQL moves off a port taken
 before it could bind it, a failed start says why in the server's own words and leaves nothing
 running, and a restarted cluster node comes back where its clients look."""
 

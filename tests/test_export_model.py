@@ -25,7 +25,7 @@ from artery.services.trainer.policy import LoraSettings, OptimSettings, Policy
 from artery.shared.models import TINY, resolve_base_model, warm_start
 from artery.testing.agents import half_alphabet_rollout
 from artery.testing.tasks import half_alphabet_task_prompt
-from tests.test_collector import wait_for
+from tests.helpers import wait_for
 
 PROMPTS = [half_alphabet_task_prompt(), [{"role": "user", "content": "count to three."}]]
 MAX_TOKENS = 12

@@ -50,8 +50,7 @@ from artery.shared.codec import JSON, MSGPACK, EventDecoder, encode
 from artery.shared.errors import InvalidMessage
 from tests import strategies as fz
 from tests.factories import group, register_trainable
-from tests.test_collector import wait_for
-from tests.test_inference_api import FakeEngine
+from tests.helpers import FakeEngine, wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -20,113 +20,12 @@ import uvicorn
 from artery.services.inference.api import create_app
 from artery.services.inference.engine.base import (
     Completion,
-    EngineError,
     GenerationRequest,
-    TokenStep,
     UnknownAdapter,
 )
 from artery.services.inference.serving import EnginePaused, ServingState
 from artery.services.inference.streaming import TextFilter
-
-EOS = 1
-REPLY = "Hello, world! I am fake."
-TOOL_REPLY = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-
-
-class CharTokenizer:
-    """One token per character (id = code point + 2); ``<|im_end|>`` (id 1) is special."""
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return [ord(c) + 2 for c in text]
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        return "".join(("" if skip_special_tokens else "<|im_end|>") if i == EOS else chr(i - 2) for i in ids)
-
-    def convert_ids_to_tokens(self, ids):
-        if isinstance(ids, int):
-            return self.decode([ids])
-        return [self.decode([i]) for i in ids]
-
-    def apply_chat_template(self, messages, tools=None, add_generation_prompt=False, tokenize=True, **_):
-        self.last_messages = messages
-        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
-        if tools:
-            text = f"<tools>{json.dumps(tools)}\n" + text
-        if add_generation_prompt:
-            text += "<assistant>"
-        return {"input_ids": self.encode(text)}  # as transformers 5 does: a BatchEncoding
-
-
-class FakeEngine:
-    """Answers ``REPLY`` (``TOOL_REPLY`` when asked about the weather), tagged with the adapter."""
-
-    kind = "fake"
-
-    def __init__(self, max_context: int = 400) -> None:
-        self.tokenizer = CharTokenizer()
-        self.max_context = max_context
-        self.loaded: list[str] = []
-        self.requests: list[GenerationRequest] = []
-        #: Seconds between streamed tokens.
-        self.delay = 0.0
-
-    def adapters(self) -> list[str]:
-        return list(self.loaded)
-
-    def _tokens(self, request: GenerationRequest) -> tuple[list[int], str, str]:
-        prompt = self.tokenizer.decode(request.prompt_token_ids)
-        if "explode" in prompt:
-            raise EngineError("out of fake memory")
-        reply = TOOL_REPLY if "weather" in prompt else REPLY
-        if request.adapter:
-            reply += f" [{request.adapter}]"
-        params = request.params
-        cut = min((i for s in params.stop if (i := reply.find(s)) >= 0), default=None)
-        if cut is not None:  # keep the tokens up to the end of the stop string, trim the text
-            stop = next(s for s in params.stop if reply.find(s) == cut)
-            ids, text, reason = self.tokenizer.encode(reply[: cut + len(stop)]), reply[:cut], "stop"
-        else:
-            ids, text, reason = [*self.tokenizer.encode(reply), EOS], reply, "stop"
-        if len(ids) > params.max_tokens:
-            ids, reason = ids[: params.max_tokens], "length"
-            text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        return ids, text, reason
-
-    @staticmethod
-    def _logprob(position: int) -> float:
-        return -0.05 - 0.1 * (position % 5)
-
-    def _top(self, token_id: int, position: int, k: int) -> list[tuple[int, float]]:
-        return [(token_id + j, self._logprob(position) - j) for j in range(k)]
-
-    async def generate(self, request: GenerationRequest) -> list[Completion]:
-        self.requests.append(request)
-        ids, text, reason = self._tokens(request)
-        k = request.params.top_logprobs
-        return [
-            Completion(
-                index=index,
-                token_ids=list(ids),
-                logprobs=[self._logprob(p) for p in range(len(ids))],
-                top_logprobs=[self._top(t, p, k) for p, t in enumerate(ids)],
-                finish_reason=reason,
-                text=text,
-            )
-            for index in range(request.params.n)
-        ]
-
-    async def stream(self, request: GenerationRequest) -> AsyncIterator[TokenStep]:
-        self.requests.append(request)
-        ids, _, reason = self._tokens(request)
-        k = request.params.top_logprobs
-        for p, token_id in enumerate(ids):
-            for index in range(request.params.n):  # the n completions interleave, as a batch does
-                last = p == len(ids) - 1
-                yield TokenStep(
-                    index, token_id, self._logprob(p), self._top(token_id, p, k), reason if last else None
-                )
-            await asyncio.sleep(self.delay)
-
+from tests.helpers import EOS, REPLY, TOOL_REPLY, CharTokenizer, FakeEngine
 
 # --------------------------------------------------------------------------- fixtures
 

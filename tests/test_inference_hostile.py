@@ -23,8 +23,8 @@ from artery.services.inference.api import create_app
 from artery.services.inference.chat import MAX_CHARS_PER_TOKEN
 from artery.services.inference.serving import ServingState
 from artery.shared.control_client import live_replicas
-from tests.test_collector import wait_for
-from tests.test_inference_api import USER, CharTokenizer, FakeEngine
+from tests.helpers import CharTokenizer, FakeEngine, wait_for
+from tests.test_inference_api import USER
 from tests.test_inference_api import serving_app as serving
 from tests.test_inference_service import MODEL, PROJECT, start_replica
 

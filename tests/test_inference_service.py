@@ -17,7 +17,7 @@ from artery.shared.adapters import pack_adapter, put_adapter, sha256_hex
 from artery.shared.bus import publish_event
 from artery.shared.control_client import live_replicas, pause_replicas, resume_replicas
 from artery.shared.models import TINY, resolve_base_model
-from tests.test_collector import wait_for
+from tests.helpers import wait_for
 
 pytestmark = pytest.mark.timeout(240)
 PROJECT, MODEL = "inf", "agent"

@@ -33,7 +33,7 @@ from artery.shared.codec import JSON, MAX_NESTING, MSGPACK, encode, event_id
 from artery.shared.control_client import live_replicas
 from artery.shared.served_name import parse_served_name
 from tests.factories import group
-from tests.test_collector import wait_for
+from tests.helpers import wait_for
 from tests.test_inference_service import MODEL, PROJECT, start_replica
 
 pytestmark = pytest.mark.timeout(240)

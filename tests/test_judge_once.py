@@ -17,7 +17,7 @@ from artery.services.reward.verdicts import JudgedGroup, verdict_key
 from artery.shared import subjects
 from artery.shared.bus import publish_event
 from artery.testing.judge import serve_scripted_judge
-from tests.test_collector import wait_for
+from tests.helpers import wait_for
 from tests.test_reward_service import MODEL, PROJECT, by_content, ruler_group, scored_events
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]

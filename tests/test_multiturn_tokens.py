@@ -40,7 +40,7 @@ from artery.services.trainer.sequences import build_sequences, pad_batch
 from artery.shared import smollm2
 from artery.shared.control_client import live_replicas
 from artery.shared.models import SMOLLM2, resolve_base_model
-from tests.test_collector import wait_for
+from tests.helpers import wait_for
 
 pytestmark = pytest.mark.timeout(420)
 PROJECT, MODEL = "mt", "agent"

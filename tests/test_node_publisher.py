@@ -16,6 +16,7 @@ import pytest
 
 from artery.schemas import DeadLetter
 from artery.shared import subjects
+from tests.helpers import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "node-publisher"
@@ -76,17 +77,6 @@ async def run_node(script: Path, env: dict[str, str], timeout: float = 60.0) -> 
         raise
     assert proc.returncode == 0, f"node exited {proc.returncode}: {stderr.decode()}"
     return [json.loads(line) for line in stdout.decode().splitlines() if line.strip()]
-
-
-async def wait_for(predicate, timeout=30.0, interval=0.1, why=lambda: ""):
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        value = await predicate()
-        if value:
-            return value
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"condition not met in {timeout}s (last value {value!r}){why()}")
-        await asyncio.sleep(interval)
 
 
 async def dead_letters(js) -> list[DeadLetter]:

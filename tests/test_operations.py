@@ -30,7 +30,7 @@ from artery.shared.embedded import free_port
 from artery.shared.models import TINY
 from artery.shared.settings import CommonSettings
 from tests.factories import group
-from tests.test_collector import wait_for
+from tests.helpers import wait_for
 from tests.test_metrics import sample
 from tests.test_secure_stack import violations
 

@@ -35,7 +35,7 @@ from artery.shared.bus import event_headers, publish_event
 from artery.shared.codec import encode
 from artery.shared.errors import ConfigError, InvalidMessage
 from artery.shared.settings import load
-from tests.test_collector import wait_for
+from tests.helpers import wait_for
 
 PROJECT, MODEL = "demo", "agent"
 SAVED = subjects.checkpoint("saved", PROJECT, MODEL)

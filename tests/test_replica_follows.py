@@ -27,7 +27,7 @@ from artery.services.publisher.settings import PublisherSettings
 from artery.shared import subjects
 from artery.shared.adapters import AdapterNotFound, adapter_info, put_adapter, read_adapter
 from artery.shared.bus import publish_event
-from tests.test_collector import wait_for
+from tests.helpers import wait_for
 from tests.test_publisher import MODEL, PROJECT, SAVED, object_exists, saved_event, write_adapter
 
 pytestmark = pytest.mark.timeout(120)

@@ -33,7 +33,7 @@ from artery.shared.bus import event_headers
 from artery.shared.embedded import free_port
 from artery.shared.errors import InvalidMessage
 from artery.testing.judge import scores_json, serve_scripted_judge
-from tests.test_collector import wait_for
+from tests.helpers import wait_for
 from tests.test_reward_service import (
     MODEL,
     PROJECT,

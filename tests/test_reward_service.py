@@ -32,7 +32,7 @@ from artery.shared.embedded import free_port
 from artery.shared.errors import DependencyUnavailable, InvalidMessage
 from artery.testing.judge import scores_json, serve_scripted_judge
 from tests.factories import group
-from tests.test_collector import wait_for
+from tests.helpers import wait_for
 
 PROJECT, MODEL = "demo", "agent"
 CALCULATOR = Tool(function=FunctionDefinition(name="add", description="add two numbers", parameters={}))

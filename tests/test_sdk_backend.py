@@ -9,7 +9,7 @@ import asyncpg
 
 import artery as art
 from artery.demos.examples_support import TINY
-from tests.test_collector import wait_for
+from tests.helpers import wait_for
 
 
 async def rollout(i: int) -> art.Trajectory:

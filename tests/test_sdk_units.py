@@ -174,9 +174,10 @@ def test_summarize_matches_art_averages():
     assert out["exception_rate"] == pytest.approx(0.25)
 
 
-def test_model_names_must_be_subject_tokens():
-    with pytest.raises(ValueError, match="must match"):
-        art.TrainableModel(name="my.model", project="p", base_model="b")
+def test_model_names_are_checked():
+    with pytest.raises(ValueError, match="not a valid name"):
+        art.TrainableModel(name="my model", project="p", base_model="b")
+    assert art.TrainableModel(name="my.model", project="p", base_model="b").name == "my.model"  # as ART
     with pytest.raises(TypeError):
         art.Model(name="m", project="p", config={"x": object()})
     assert art.Model(name="m", project="p").get_inference_name(3) == "m@3"

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import json
 import random
 import warnings
+from typing import Any
 
 import pytest
 
@@ -99,7 +101,7 @@ async def test_groups_are_started_lazily_while_the_consumer_trains():
 async def test_skip_batches_skips_groups_without_running_them():
     gauge = Gauge()
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # a skipped coroutine is closed, not left un-awaited
+        warnings.simplefilter("error", RuntimeWarning)  # a skipped coroutine is closed, not un-awaited
         batches = [
             b async for b in trajectory_group_batches(groups_of(gauge, 10), batch_size=3, skip_batches=2)
         ]
@@ -553,3 +555,26 @@ async def test_model_log_without_pyarrow_keeps_the_history_and_says_what_to_inst
         await model.log([art.Trajectory(reward=1.0, messages_and_choices=[{"role": "user", "content": "q"}])])
     monkeypatch.undo()
     assert json.loads((model.directory / "history.jsonl").read_text())["val/reward"] == 1.0
+
+
+async def test_rollouts_of_skipped_groups_are_closed_not_left_never_awaited():
+    """``TrajectoryGroup(rollout() for ...)`` creates its rollouts at once. A group that never
+    runs (its batch skipped) closes them (``artery.unstarted``) rather than leaving the garbage
+    collector to warn that each was never awaited; the groups that run are left alone."""
+    created: list[Any] = []
+
+    async def rollout(i: int) -> art.Trajectory:
+        return art.Trajectory(reward=float(i))
+
+    def group(g: int) -> Any:
+        rollouts = [rollout(10 * g + j) for j in range(2)]
+        created.extend(rollouts)
+        return art.TrajectoryGroup(iter(rollouts))
+
+    batches = [
+        b async for b in trajectory_group_batches((group(g) for g in range(4)), batch_size=2, skip_batches=1)
+    ]
+    assert [sorted(t.reward for grp in b for t in grp.trajectories) for b in batches] == [[20, 21, 30, 31]]
+    states = [inspect.getcoroutinestate(c) for c in created]
+    # the skipped four closed (not CORO_CREATED, which would warn when collected), the rest run
+    assert states == [inspect.CORO_CLOSED] * 8

@@ -26,8 +26,8 @@ from artery.shared.permissions import ROLES
 from artery.shared.settings import CommonSettings
 from artery.testing.agents import half_alphabet_rollout
 from tests.factories import group
+from tests.helpers import wait_for
 from tests.test_cli import ARTERY, read_until
-from tests.test_collector import wait_for
 from tests.test_security import Client
 
 PROJECT, OTHER, MODEL = "demo", "other", "agent"

@@ -90,7 +90,7 @@ def test_users_are_validated():
     with pytest.raises(ValueError, match="unknown role"):
         NatsUser("x", "root", "pw")
     with pytest.raises(ValueError, match="must match"):
-        NatsUser("a.b", "collector", "pw")  # a dot would split the inbox prefix
+        NatsUser("..", "collector", "pw")  # a dot inside is escaped in the inbox; alone it is refused
     with pytest.raises(ValueError, match="project"):
         NatsUser("agent-x", "agent", "pw")
     with pytest.raises(ValueError, match="quote"):

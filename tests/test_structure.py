@@ -2,7 +2,9 @@
 ``schemas`` and ``shared`` (a service imports nothing of ``artery.*`` but those and its own
 package); ``shared`` and ``schemas`` know no service and no SDK module; no two modules import each
 other at load time (an import loop makes the load order matter), and in the SDK not even for a
-type; each top-level package says which folder it is; a module over ``MAX_LINES`` says why."""
+type; the SDK imports no service; each top-level package says which folder it is and is linked
+under ``artery/`` so static tools resolve it; test-only code lives in ``artery.testing``, not in
+``shared``; a module over ``MAX_LINES`` says why."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-#: Top-level folders and the import names they are installed under (pyproject's package-dir).
+#: Top-level folders and the import names they are installed under (each linked under ``artery/``).
 FOLDERS = {
     "artery": "artery",
     "services": "artery.services",
@@ -20,11 +22,17 @@ FOLDERS = {
 }
 
 
+#: The top-level folders that ``artery/`` holds as links (``artery/shared -> ../shared``).
+LINKED = ("services", "shared", "schemas")
+
+
 @functools.cache
 def modules() -> dict[str, Path]:
     found: dict[str, Path] = {}
     for folder, name in FOLDERS.items():
         for path in (ROOT / folder).rglob("*.py"):
+            if folder == "artery" and path.relative_to(ROOT / folder).parts[0] in LINKED:
+                continue  # the same file as under its own top-level folder
             parts = list(path.relative_to(ROOT / folder).with_suffix("").parts)
             if parts[-1] == "__init__":
                 parts = parts[:-1]
@@ -175,3 +183,41 @@ def test_each_top_level_package_says_which_folder_it_is():
         doc = ast.get_docstring(ast.parse((ROOT / folder / "__init__.py").read_text())) or ""
         assert f"``{name}``" in doc or f"``import {name}" in doc, f"{folder}/__init__.py: name {name}"
         assert f"``{folder}/``" in doc or folder == "artery", f"{folder}/__init__.py: name its folder"
+
+
+def test_the_top_level_folders_are_linked_where_their_import_names_are():
+    """``artery/shared`` is ``shared/`` (a relative link, so a checkout anywhere resolves), which is
+    what lets mypy, pyright and an editor's go-to-definition find ``artery.shared.codec``: no
+    import hook and no package-dir mapping stands between an import name and its file."""
+    for folder in LINKED:
+        link = ROOT / "artery" / folder
+        assert link.is_symlink() and link.readlink() == Path("..") / folder, f"artery/{folder}"
+        assert link.resolve() == (ROOT / folder).resolve()
+    assert "package-dir" not in (ROOT / "pyproject.toml").read_text()
+
+
+#: What ``artery/`` holds beside the SDK: operator tools (the ``artery`` command, the embedded
+#: stack, replay, export), the demos, and the test kit. These may know the services.
+OUTSIDE_THE_SDK = ("artery.ops", "artery.demos", "artery.testing")
+
+
+def test_the_sdk_imports_no_service():
+    """An SDK module runs in the agent's program: a service's module would drag its dependencies
+    (and its settings) there. What both need (the contract's number rule) lives in ``shared``;
+    operator tools, demos and the test kit, which may know the services, are subpackages of
+    their own."""
+    for module, path in modules().items():
+        if module.startswith(("artery.services", "artery.shared", "artery.schemas", *OUTSIDE_THE_SDK)):
+            continue
+        services = sorted(n for n in imported(path, load_time=False) if n.startswith("artery.services"))
+        assert not services, f"{path.relative_to(ROOT)} imports a service: {services}"
+
+
+def test_test_only_code_is_not_in_shared():
+    """``shared`` is what the services run on; what only tests and benchmarks use (a NATS cluster
+    of child processes, stand-in judges) is the test kit, ``artery.testing``."""
+    for path in sorted((ROOT / "shared").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert not names & {"pytest", "artery.testing"}, f"{path.relative_to(ROOT)} is test code"

@@ -31,7 +31,7 @@ from artery.shared.models import TINY
 from artery.shared.permissions import permissions
 from artery.shared.registry import RegistrationRefused, models_kv, read_record, register
 from tests.factories import group
-from tests.test_collector import wait_for
+from tests.helpers import wait_for
 from tests.test_secure_stack import _password, connect
 from tests.test_security import DENIED_WAIT_S, Client
 from tests.test_tenants import letters

@@ -15,7 +15,7 @@ from artery.shared import bus, subjects
 from artery.shared.bus import MSG_ID, event_headers, publish_event
 from artery.shared.codec import encode
 from tests.factories import group
-from tests.test_collector import wait_for
+from tests.helpers import wait_for
 
 A, B, MODEL = "alpha", "beta", "agent"
 

@@ -152,7 +152,7 @@ def plot(curve: list[dict], held_out: list[dict], path: Path, title: str) -> boo
 async def evaluate(model: art.TrainableModel, task: Task, args: argparse.Namespace, step: int) -> dict:
     """Held-out items, each answered greedily once and sampled ``eval_samples`` times with fixed
     seeds (the same before and after training), by the policy at ``step``; one progress bar."""
-    name = f"{model.name}@{step}"
+    name = model.get_inference_name(step)
     rollout = task.rollout
 
     async def one(item: str, temperature: float, seed: int | None) -> art.Trajectory:

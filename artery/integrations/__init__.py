@@ -26,12 +26,13 @@ class TrackedModel(Protocol):
     name: str
     project: str
     entity: str | None
-    base_model: str | None
     config: Any
-    directory: Path
     report_metrics: list[str] | None
     _wandb_run: Any
     _wandb_failed: bool
+
+    @property
+    def directory(self) -> Path: ...
 
 
 async def report(

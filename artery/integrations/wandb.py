@@ -72,8 +72,9 @@ def run_of(model: Model) -> Any:
         if wandb is None:
             return None
         config: dict[str, Any] = {}
-        if getattr(model, "base_model", None):
-            config["base_model"] = model.base_model
+        base_model = getattr(model, "base_model", None)  # a TrainableModel's
+        if base_model:
+            config["base_model"] = base_model
         if model.config:
             config["config"] = model.config
         directory = None
@@ -147,7 +148,8 @@ def _table(model: Model, groups: list[TrajectoryGroup], split: str, step: int) -
                     json.dumps(trajectory.metadata, default=str),
                 ]
             )
-    return wandb.Table(columns=TABLE_COLUMNS, data=rows)
+    # A list of its own: wandb types the columns as list[str | int], which a list[str] is not.
+    return wandb.Table(columns=list(TABLE_COLUMNS), data=rows)
 
 
 def _messages_text(trajectory: Any) -> str:

@@ -27,6 +27,7 @@ from typing import Any, Literal, TypeVar
 from langchain_core.runnables import Runnable, RunnableConfig
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from langchain_openai import ChatOpenAI
+from pydantic import SecretStr
 
 from artery.auto_trajectory import capture_auto_trajectory
 from artery.trajectories import Trajectory
@@ -126,7 +127,9 @@ def _chat_openai(config: RolloutConfig, **kwargs: Any) -> ChatOpenAI:
     settings: dict[str, Any] = {"temperature": 1.0, "logprobs": True, **kwargs}
     if config.http_async_client is not None:
         settings.setdefault("http_async_client", config.http_async_client)
-    return ChatOpenAI(base_url=config.base_url, api_key=config.api_key, model=config.model, **settings)
+    # ChatOpenAI would make the SecretStr from a str itself; its signature asks for one.
+    api_key = SecretStr(config.api_key) if config.api_key is not None else None
+    return ChatOpenAI(base_url=config.base_url, api_key=api_key, model=config.model, **settings)
 
 
 def init_chat_model(

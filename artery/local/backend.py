@@ -8,14 +8,17 @@ import asyncio
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import nats
 
 from artery.backend import Backend
+from artery.checkpoint_layout import checkpoint_root
 from artery.dev import note_no_effect
-from artery.ops.stack import Stack
+from artery.errors import LocalServingUnavailableError
+from artery.local.train_result import LocalTrainResult
+from artery.ops.stack import SERVICES, Stack
 from artery.shared import lifeline
 from artery.shared.auth import nats_connect_options, secret_value
 from artery.shared.embedded import free_port
@@ -68,10 +71,13 @@ class LocalBackend(Backend):
         self.project = project
         self.stack = Stack(
             home=self.path / "stack",
-            **({"services": services} if services else {}),
-            **({"secure": True, "projects": (project,)} if secure else {}),
+            services=services or SERVICES,
+            secure=secure,
+            projects=(project,) if project is not None else (),
         )
-        if secure:  # its replicas serve requests that carry its project's key, and no other
+        # Secure (a project is given with it, checked above): its replicas serve requests that
+        # carry its project's key, and no other.
+        if project is not None:
             key_file = str(self.stack.inference_key_file(project))
             self.inference_api_key = secret_value(None, key_file, "ARTERY_INFERENCE_API_KEY")
         #: Extra ``ARTERY_INFERENCE_*`` settings for the replicas it starts (engine, device...).
@@ -100,16 +106,27 @@ class LocalBackend(Backend):
         """Start this model's inference replica (once), then find it in the registry."""
         name = f"inference-{model.project}-{model.name}"
         if self.start_inference and name not in self.stack.processes:
+            base_model = getattr(model, "base_model", None)
+            if not isinstance(base_model, str):
+                raise TypeError(f"{model!r} names no base model: a replica serves a TrainableModel's")
             env = {
-                **self.stack.replica_env(model.project, model.name, model.base_model),
+                **self.stack.replica_env(model.project, model.name, base_model),
                 "ARTERY_INFERENCE_REPLICA_ID": f"local-{model.project}-{model.name}",
                 # A fixed port: a replica restarted after a crash comes back where clients look.
                 "ARTERY_INFERENCE_PORT": str(free_port()),
                 **self.inference_env,
             }
             process = self.stack.start_service(name, service="inference", env=env)
-            await asyncio.to_thread(process.wait_ready, timeout_s)
+            try:
+                await asyncio.to_thread(process.wait_ready, timeout_s)
+            except (RuntimeError, TimeoutError) as exc:  # as ART: local serving cannot start
+                raise LocalServingUnavailableError(f"{name} did not start serving: {exc}") from exc
         return await super()._inference_url(model, timeout_s=timeout_s if self.start_inference else 0.0)
+
+    async def train(self, model: Model, *args: Any, **kwargs: Any) -> LocalTrainResult:
+        """``Backend.train``, returning ART's ``LocalTrainResult`` (with the step's checkpoint path)."""
+        result = await super().train(model, *args, **kwargs)
+        return LocalTrainResult.at(result, checkpoint_root(self, model) / f"{result.step:06d}")
 
     @property
     def database_url(self) -> str | None:

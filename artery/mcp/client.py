@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+import shlex
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 from mcp import ClientSession, StdioServerParameters, stdio_client
 
-from artery.mcp.types import COMPLETE_TASK_TOOL_NAME, MCPResource, MCPTool, _field
+from artery.mcp.types import COMPLETE_TASK_TOOL_NAME, MCPResource, MCPTool, _field, tools_to_openai
 
 ServerSpec = StdioServerParameters | str | ClientSession
 
@@ -26,7 +27,8 @@ def _http_transport(url: str):
 
     if hasattr(streamable_http, "streamable_http_client"):  # mcp >= 1.24 and 2.x
         return streamable_http.streamable_http_client(url)
-    return streamable_http.streamablehttp_client(url)  # older 1.x  # pragma: no cover
+    # Older 1.x; the mcp that mypy reads is newer and no longer has the name.
+    return streamable_http.streamablehttp_client(url)  # type: ignore[attr-defined]  # pragma: no cover
 
 
 @asynccontextmanager
@@ -52,6 +54,33 @@ async def mcp_session(server: ServerSpec) -> AsyncIterator[ClientSession]:
         async with ClientSession(read, write) as session:
             await session.initialize()
             yield session
+
+
+def server_spec(
+    server_url: str | None = None, command: str | Sequence[str] | None = None
+) -> StdioServerParameters | str:
+    """The server named by a streamable-HTTP ``server_url`` or by the ``command`` that starts it
+    on stdio (a string split as a shell would, or a list); exactly one of them."""
+    if (server_url is None) == (command is None):
+        raise ValueError(
+            "name the MCP server by server_url (streamable HTTP) or by command (stdio), not both"
+        )
+    if server_url is not None:
+        if not server_url.startswith(("http://", "https://")):
+            raise ValueError(
+                f"server_url is an http(s):// URL of a streamable-HTTP MCP server, not {server_url!r}"
+            )
+        return server_url
+    parts = shlex.split(command) if isinstance(command, str) else list(command or [])
+    if not parts:
+        raise ValueError("command names the program that starts the MCP server")
+    return StdioServerParameters(command=parts[0], args=parts[1:])
+
+
+async def discover_tools(server: ServerSpec, *, complete_task: bool = True) -> list[dict[str, Any]]:
+    """The server's tools as OpenAI ``tools`` entries (and ``complete_task``), for a rollout."""
+    tools, _ = await list_tools_and_resources(server)
+    return tools_to_openai(tools, complete_task=complete_task)
 
 
 async def list_tools_and_resources(server: ServerSpec) -> tuple[list[MCPTool], list[MCPResource]]:

@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from artery.generation import DEFAULT_GENERATOR_MODEL, counted_list, generate_json
+from artery.mcp.client import list_tools_and_resources, server_spec
 from artery.mcp.types import GeneratedScenario, GeneratedScenarioCollection, MCPResource, MCPTool
 
 
@@ -88,7 +89,7 @@ Respond with a JSON object whose "scenarios" array holds exactly {num_scenarios}
 
 
 async def generate_scenarios(
-    tools: list[MCPTool] | list[dict[str, Any]] | list[Any],
+    tools: list[MCPTool] | list[dict[str, Any]] | list[Any] | None = None,
     resources: list[MCPResource] | list[dict[str, Any]] | list[Any] | None = None,
     num_scenarios: int = 24,
     show_preview: bool = True,
@@ -98,6 +99,8 @@ async def generate_scenarios(
     generator_base_url: str | None = None,
     *,
     extra_litellm_params: dict[str, Any] | None = None,
+    server_url: str | None = None,
+    server_command: str | list[str] | None = None,
 ) -> GeneratedScenarioCollection:
     """Generate ``num_scenarios`` tasks for an MCP server's tools and resources.
 
@@ -108,9 +111,17 @@ async def generate_scenarios(
     ``num_scenarios`` items; a wrong count, a difficulty outside 1-5 or malformed JSON is asked
     again once, then :class:`artery.generation.GenerationError` is raised.
     ``generator_api_key`` unset: the provider's usual environment variable (``OPENAI_API_KEY``...).
+
+    ``server_url`` (streamable HTTP) or ``server_command`` (a program speaking MCP on stdio), as
+    ART's ``generate_scenarios(num_scenarios=24, server_url=...)``: the tools and resources are
+    read from that server instead of being passed.
     """
     if num_scenarios < 1:
         raise ValueError("num_scenarios must be at least 1")
+    if server_url is not None or server_command is not None:
+        if tools is not None or resources is not None:
+            raise ValueError("pass the tools and resources, or the server to read them from, not both")
+        tools, resources = await list_tools_and_resources(server_spec(server_url, server_command))
     if not tools and not resources:
         raise ValueError("At least one tool or resource must be provided")
     started = time.perf_counter()

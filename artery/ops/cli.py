@@ -71,7 +71,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                 _line(f"agent-{project}", "env", env)
         for name in services:
             process = stack.start_service(name)
-            _line(name, "started", f"pid {process.proc.pid}, log {process.log_path}")
+            _line(name, "started", f"pid {process.popen().pid}, log {process.log_path}")
         for project, model, base_model in replicas:
             name = f"inference-{project}-{model}"
             stack.start_service(
@@ -90,12 +90,12 @@ def cmd_up(args: argparse.Namespace) -> int:
             time.sleep(0.5)
             for name, process in stack.processes.items():
                 if not process.running and not stopping:
-                    code = process.proc.returncode
+                    code = process.popen().returncode
                     _line(name, "exited", f"code {code}; restarting (see {process.log_path})")
                     time.sleep(min(2**process.restarts, 30) * 0.5)
                     process.restarts += 1
                     process.start()
-                    _line(name, "started", f"pid {process.proc.pid}")
+                    _line(name, "started", f"pid {process.popen().pid}")
                     try:
                         process.wait_ready()
                         _line(name, "ready")
@@ -228,7 +228,7 @@ async def _status(home: str) -> int:
     if keys:
         print("models")
         for key in keys:
-            project, _, name = key.partition(".")
+            project, name = subjects.names_of_key(key) or (key, "")
             found = await read_record(kv, project, name)
             if found is None:
                 print(f"  {key:<30} (no valid record: see the warning above)")

@@ -46,7 +46,6 @@ from artery.schemas import (
     TrainRequest,
     TrainRequested,
     TrainSFTRequested,
-    Trajectory,
     TrajectoryException,
     TrajectoryGroupSubmitted,
     utcnow,
@@ -57,11 +56,11 @@ from artery.shared.codec import EventDecoder
 from artery.shared.registry import read_record
 from artery.shared.served_name import served_name, step_of
 from artery.shared.settings import CommonSettings
+from artery.shared.stored_groups import trained_trajectories
 
 _IDS = uuid.UUID("0b7c4a52-9e1d-4d3b-8f60-7265706c6179")
 _requests = EventDecoder(TrainRequest)
 _outcomes = msgspec.json.Decoder(TrainCompleted | TrainFailed)
-_trajectory = msgspec.json.Decoder(Trajectory)
 
 
 class ReplayError(Exception):
@@ -130,43 +129,23 @@ async def original_requests(js, project: str, model: str, wanted: set[str]) -> d
 async def load_groups(
     conn: asyncpg.Connection, project: str, model: str, group_ids: list[str]
 ) -> dict[str, TrajectoryGroupSubmitted]:
-    """The stored groups, as the trainer saw them (judged rewards in place, unscorable ones out),
-    still under the source model's name."""
+    """The stored groups, as the trainer saw them (``shared.stored_groups``: judged rewards in
+    place, unscorable ones out), still under the source model's name."""
     groups = {
         r["id"]: r
         for r in await conn.fetch(
-            "SELECT g.id, g.step, g.metadata::text AS metadata, g.metrics::text AS metrics,"
-            " g.exceptions::text AS exceptions, g.logs::text AS logs, r.error AS judge_error"
-            " FROM trajectory_groups g LEFT JOIN group_rewards r"
-            " ON r.project = g.project AND r.model = g.model AND r.group_id = g.id"
-            " WHERE g.project = $1 AND g.model = $2 AND g.id = ANY($3::text[])",
+            "SELECT id, step, metadata::text AS metadata, metrics::text AS metrics,"
+            " exceptions::text AS exceptions, logs::text AS logs FROM trajectory_groups"
+            " WHERE project = $1 AND model = $2 AND id = ANY($3::text[])",
             project,
             model,
             group_ids,
         )
     }
-    trajectories: dict[str, list[Trajectory]] = {gid: [] for gid in groups}
-    for row in await conn.fetch(
-        "SELECT t.group_id, t.body::text AS body, r.reward AS judged, r.judge_score, r.independent_reward"
-        " FROM trajectories t LEFT JOIN trajectory_rewards r ON r.project = t.project"
-        " AND r.model = t.model AND r.group_id = t.group_id AND r.idx = t.idx"
-        " WHERE t.project = $1 AND t.model = $2 AND t.group_id = ANY($3::text[]) ORDER BY t.group_id, t.idx",
-        project,
-        model,
-        group_ids,
-    ):
-        trajectory = _trajectory.decode(row["body"])
-        if row["judged"] is not None:  # what services.trainer.store.load_groups does
-            trajectory.metrics = {
-                **trajectory.metrics,
-                "independent_reward": row["independent_reward"],
-                "ruler_score": row["judge_score"],
-            }
-            trajectory.reward = row["judged"]
-        trajectories[row["group_id"]].append(trajectory)
+    trajectories = await trained_trajectories(conn, project, model, group_ids)
     out = {}
     for gid, row in groups.items():
-        if row["judge_error"] is not None or not trajectories[gid]:
+        if gid not in trajectories:
             continue  # the judge could not score it: the trainer left it out
         out[gid] = TrajectoryGroupSubmitted(
             id=gid,
@@ -192,10 +171,12 @@ def as_new_model(
     if off_policy:
         for trajectory in group.trajectories:
             for message in trajectory.messages:
-                served = message.sample.served_model if message.sample is not None else None
-                sampled = step_of(served or "", model)
+                sample = message.sample
+                if sample is None:
+                    continue
+                sampled = step_of(sample.served_model or "", model)
                 if sampled is not None:
-                    message.sample.served_model = served_name(new_model, max(sampled - offset, 0))
+                    sample.served_model = served_name(new_model, max(sampled - offset, 0))
     return msgspec.structs.replace(group, model=new_model, step=step)
 
 
@@ -323,26 +304,36 @@ async def replay(
                 ],
             )
             request_id = replay_request_id(project, new_model, source.request_id)
-            common = dict(
-                id=request_id,
-                project=project,
-                model=new_model,
-                step=source.step - 1 - offset,
-                group_ids=kept,
-                config=original.config,
-            )
-            request = (
-                TrainSFTRequested(**common)
+            step = source.step - 1 - offset
+            request: TrainRequest = (
+                TrainSFTRequested(
+                    id=request_id,
+                    project=project,
+                    model=new_model,
+                    step=step,
+                    group_ids=kept,
+                    config=original.config,
+                )
                 if isinstance(original, TrainSFTRequested)
-                else TrainRequested(**common, max_steps_off_policy=original.max_steps_off_policy)
+                else TrainRequested(
+                    id=request_id,
+                    project=project,
+                    model=new_model,
+                    step=step,
+                    group_ids=kept,
+                    config=original.config,
+                    max_steps_off_policy=original.max_steps_off_policy,
+                )
             )
             outcome = await train_step(nc, request, timeout_s)
+            if outcome.step is None:  # a completed step always names the version it made
+                raise ReplayError(f"step of request {request_id} completed without its step number")
             replayed.append(
                 ReplayedStep(source.step, outcome.step, request_id, source.metrics, outcome.metrics)
             )
             say(
-                f"step {source.step} -> {new_model}@{outcome.step}: loss {outcome.metrics.get('loss')}"
-                f" (was {source.metrics.get('loss')})"
+                f"step {source.step} -> {served_name(new_model, outcome.step)}:"
+                f" loss {outcome.metrics.get('loss')} (was {source.metrics.get('loss')})"
             )
         return replayed
     finally:

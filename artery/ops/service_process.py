@@ -54,7 +54,7 @@ class ServiceProcess:
         while time.monotonic() < deadline:
             if not self.running:
                 raise RuntimeError(
-                    f"{self.name} exited with code {self.proc.returncode}; see {self.log_path}"
+                    f"{self.name} exited with code {self.popen().returncode}; see {self.log_path}"
                 )
             with open(self.log_path, "rb") as f:
                 f.seek(self._log_offset)
@@ -70,8 +70,14 @@ class ServiceProcess:
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def popen(self) -> subprocess.Popen:
+        """The process ``start`` made (its pid, its exit code); an error before ``start``."""
+        if self.proc is None:
+            raise RuntimeError(f"{self.name} was never started")
+        return self.proc
+
     def signal(self, sig: int) -> None:
-        if self.running:
+        if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(sig)
 
     def stop(self, timeout: float = 15.0) -> int | None:

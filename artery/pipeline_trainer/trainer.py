@@ -10,6 +10,11 @@ the rest by truncated importance sampling. Groups whose rewards are all equal te
 go to a discard queue, and when it holds ``discard_queue_multiplier * min_batch_size`` of them in a
 row the policy is taken to have collapsed and the run stops with an error.
 
+Sizes come from ``pipeline=PipelineRuntimeConfig(...)`` (or the keywords of the same names);
+``autotune=PipelineAutotuneConfig(mode="online")`` moves the number of rollout workers while it
+runs (``artery.pipeline_config``). Each step logs, beside the trainer's metrics, the pipeline's
+own in ART's taxonomy (``objective/score``, ``throughput/``, ``queue/``...; ``artery.metrics``).
+
 Resumable: the scenario offset and the step are kept in the model directory
 (``pipeline_state.json``), so ``train()`` after a restart skips the scenarios already used.
 """
@@ -24,7 +29,10 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from tqdm.auto import tqdm
 
+from artery.errors import LocalServingUnavailableError, is_connection_failure
 from artery.model import TrainableModel
+from artery.pipeline_config import PipelineAutotuneConfig, PipelineRuntimeConfig, next_rollout_workers
+from artery.pipeline_trainer.step_meter import StepMeter
 from artery.trajectories import Trajectory, TrajectoryGroup
 
 if TYPE_CHECKING:
@@ -63,6 +71,14 @@ async def _as_async(items: Iterable[Any] | AsyncIterator[Any]) -> AsyncIterator[
 class PipelineTrainer(Generic[ScenarioT, ConfigT]):
     """ART's ``PipelineTrainer`` on Artery's services (``from artery.pipeline_trainer import ...``)."""
 
+    # The state of one run: ``train()`` makes it anew each time (its loop's queue and condition).
+    _policy_updated: asyncio.Condition
+    _queue: asyncio.Queue[TrajectoryGroup | None]
+    _scenarios: AsyncIterator[Any]
+    _scenario_lock: asyncio.Lock
+    _pbar: tqdm
+    _equal_in_a_row: int
+
     def __init__(
         self,
         model: TrainableModel,
@@ -72,11 +88,13 @@ class PipelineTrainer(Generic[ScenarioT, ConfigT]):
         config: ConfigT,
         eval_fn: EvalFn | None = None,
         *,
-        num_rollout_workers: int = 16,
-        min_batch_size: int = 4,
+        num_rollout_workers: int | None = None,
+        min_batch_size: int | None = None,
         max_batch_size: int | None = None,
         max_steps_off_policy: int = 4,
         queue_maxsize: int | None = None,
+        pipeline: PipelineRuntimeConfig | None = None,
+        autotune: PipelineAutotuneConfig | None = None,
         learning_rate: float = 1e-5,
         loss_fn: str = "cispo",
         loss_fn_config: dict | None = None,
@@ -91,10 +109,21 @@ class PipelineTrainer(Generic[ScenarioT, ConfigT]):
         save_checkpoint: bool = True,
         resume: bool = True,
     ) -> None:
-        if num_rollout_workers <= 0 or min_batch_size <= 0:
-            raise ValueError("num_rollout_workers and min_batch_size must be > 0")
-        if max_batch_size is not None and max_batch_size < min_batch_size:
-            raise ValueError("max_batch_size must be >= min_batch_size")
+        sizes = {
+            "num_rollout_workers": num_rollout_workers,
+            "min_batch_size": min_batch_size,
+            "max_batch_size": max_batch_size,
+            "queue_maxsize": queue_maxsize,
+        }
+        given = {k: v for k, v in sizes.items() if v is not None}
+        if pipeline is not None and (given or autotune is not None):
+            # As ART: one source of sizes (the autotune chooses its own as it goes).
+            raise ValueError(
+                "PipelineTrainer(pipeline=...) cannot be combined with autotune or size keywords"
+            )
+        pipeline = pipeline or PipelineRuntimeConfig(**given)  # validates the keywords too
+        num_rollout_workers, min_batch_size = pipeline.num_rollout_workers, pipeline.min_batch_size
+        max_batch_size, queue_maxsize = pipeline.max_batch_size, pipeline.queue_maxsize
         if max_steps_off_policy < 0 or eval_every_n_steps < 0 or discard_queue_multiplier <= 0:
             raise ValueError("max_steps_off_policy, eval_every_n_steps >= 0 and discard multiplier > 0")
         # ART's knobs for its own trainer; Artery's trainer has no such setting: say so, never ignore.
@@ -106,11 +135,18 @@ class PipelineTrainer(Generic[ScenarioT, ConfigT]):
         self.model, self.backend, self.rollout_fn = model, backend, rollout_fn
         self.scenarios, self.config, self.eval_fn = scenarios, config, eval_fn
         self.num_rollout_workers = num_rollout_workers
+        self.autotune = autotune if autotune is not None and autotune.mode == "online" else None
+        self.pipeline = pipeline
+        self._meter = StepMeter()
+        self._live_workers, self._workers_open = 0, False
+        #: Each autotune decision (steps done, workers, action, reason), for people and tests.
+        self.autotune_decisions: list[tuple[int, int, str, str]] = []
         self.min_batch_size = min_batch_size
         self.max_batch_size = max_batch_size or 10 * min_batch_size
         self.max_steps_off_policy = max_steps_off_policy
         self.queue_maxsize = queue_maxsize or max(1, (max_steps_off_policy + 1) * self.max_batch_size)
-        self.train_kwargs = {"learning_rate": learning_rate, "loss_fn": loss_fn}
+        # ``TrainConfig`` fields, as ``Backend.train`` takes them.
+        self.train_kwargs: dict[str, Any] = {"learning_rate": learning_rate, "loss_fn": loss_fn}
         if not normalize_advantages:
             self.train_kwargs["normalize_advantages"] = False
         self.max_steps = max_steps
@@ -126,8 +162,6 @@ class PipelineTrainer(Generic[ScenarioT, ConfigT]):
         self.discarded_stale = 0
         self.discarded_equal = 0
         self._done = False
-        self._policy_updated: asyncio.Condition | None = None
-        self._queue: asyncio.Queue[TrajectoryGroup | None] | None = None
 
     # ------------------------------------------------------------------ state
 
@@ -164,6 +198,7 @@ class PipelineTrainer(Generic[ScenarioT, ConfigT]):
         self.scenario_offset = skip
         self._scenarios = scenarios
         self._scenario_lock = asyncio.Lock()
+        self._meter = StepMeter(getattr(self.backend, "gpu_cost_per_hour_usd", None))
         self._pbar = tqdm(total=self.total_scenarios, initial=skip, desc="pipeline", unit="group")
         try:
             if self.eval_fn is not None and self.eval_step_0 and start == 0:
@@ -189,15 +224,24 @@ class PipelineTrainer(Generic[ScenarioT, ConfigT]):
 
     async def _wait_for_policy(self) -> None:
         """Hold a new rollout while the policy it would use is too far behind the step in training."""
+        started = time.monotonic()
         async with self._policy_updated:
             await self._policy_updated.wait_for(
                 lambda: (
                     self._done or self.policy_version >= self.next_training_step - self.max_steps_off_policy
                 )
             )
+        self._meter.worker_blocked(time.monotonic() - started)
 
-    async def _rollout_worker(self) -> None:
-        while not self._done:
+    async def _rollout_worker(self, index: int) -> None:
+        try:
+            await self._roll_out_until_retired(index)
+        finally:
+            self._live_workers -= 1
+
+    async def _roll_out_until_retired(self, index: int) -> None:
+        # Autotune lowers the count by retiring the highest-numbered workers between rollouts.
+        while not self._done and index < self.num_rollout_workers:
             await self._wait_for_policy()
             more, scenario = await self._next_scenario()
             if not more or self._done:
@@ -205,7 +249,14 @@ class PipelineTrainer(Generic[ScenarioT, ConfigT]):
             version = self.policy_version
             try:
                 group = await self.rollout_fn(self.model, scenario, self.config)
-            except Exception as exc:  # one failed scenario is not the end of the run (as ART)
+            except LocalServingUnavailableError:
+                raise
+            except Exception as exc:  # one failed scenario is not the end of the run (as ART)...
+                if self._is_local_serving_down(exc):  # ...unless every rollout will fail alike
+                    raise LocalServingUnavailableError(
+                        f"the LocalBackend's inference became unreachable ({exc!r}): the run stops"
+                        " instead of counting every rollout as failed"
+                    ) from exc
                 tqdm.write(f"rollout failed: {exc!r}")
                 continue
             for trajectory in group:
@@ -213,18 +264,34 @@ class PipelineTrainer(Generic[ScenarioT, ConfigT]):
                     trajectory.initial_policy_version = version
                 trajectory.final_policy_version = self.policy_version
             group.metadata.setdefault("policy_version", version)
+            started = time.monotonic()
             await self._queue.put(group)
+            self._meter.worker_blocked(time.monotonic() - started)
+
+    def _is_local_serving_down(self, exc: Exception) -> bool:
+        """A rollout could not connect to the inference a LocalBackend started here."""
+        if getattr(self.backend, "stack", None) is None:
+            return False
+        return is_connection_failure(exc)
+
+    def _add_workers(self) -> None:
+        """Start workers up to ``num_rollout_workers`` (at the start, and when autotune raises it)."""
+        while self._live_workers < self.num_rollout_workers and self._workers_open and not self._done:
+            self._live_workers += 1
+            self._workers.create_task(self._rollout_worker(self._live_workers - 1))
 
     async def _rollout_stage(self) -> None:
         async with asyncio.TaskGroup() as workers:
-            for _ in range(self.num_rollout_workers):
-                workers.create_task(self._rollout_worker())
+            self._workers, self._workers_open = workers, True
+            self._add_workers()
+        self._workers_open = False  # every worker is done: none may be added to a closed group
         await self._queue.put(None)  # the scenarios ran out: training takes what is left
 
     async def _collect_batch(self, step: int) -> tuple[list[TrajectoryGroup], bool]:
         """At least ``min_batch_size`` fresh, informative groups (fewer at the end), at most the max."""
         batch: list[TrajectoryGroup] = []
         ended = False
+        started, depth, taken, stale = time.monotonic(), self._queue.qsize(), 0, 0
         while len(batch) < self.max_batch_size:
             if len(batch) >= self.min_batch_size and self._queue.empty():
                 break
@@ -233,8 +300,10 @@ class PipelineTrainer(Generic[ScenarioT, ConfigT]):
                 ended = True
                 break
             self._pbar.update(1)
+            taken += 1
             if step - int(group.metadata.get("policy_version", step)) > self.max_steps_off_policy:
                 self.discarded_stale += 1
+                stale += 1
                 continue
             if len({t.reward for t in group}) < 2:
                 self.discarded_equal += 1
@@ -247,6 +316,10 @@ class PipelineTrainer(Generic[ScenarioT, ConfigT]):
                 continue
             self._equal_in_a_row = 0
             batch.append(group)
+        ages = [(step - int(g.metadata.get("policy_version", step)), len(g)) for g in batch]
+        self._meter.batch_collected(
+            wait_s=time.monotonic() - started, taken=taken, stale=stale, ages=ages, queue_depth=depth
+        )
         return batch, ended
 
     async def _training_stage(self) -> None:
@@ -269,12 +342,14 @@ class PipelineTrainer(Generic[ScenarioT, ConfigT]):
                     step = result.step
                     metrics = {
                         **result.metrics,
+                        **self._meter.step_metrics(result.metrics, self.num_rollout_workers),
                         "offpolicy/discarded_stale_groups": float(self.discarded_stale),
                         "data/discarded_equal_reward_groups": float(self.discarded_equal),
                         "data/step_num_groups": float(len(batch)),
                     }
                     await self.model.log(batch, split="train", step=step, metrics=metrics)
                     self._write_state(step)
+                    self._tune(step - first)
                     async with self._policy_updated:
                         self.policy_version = step
                         self._policy_updated.notify_all()
@@ -291,7 +366,27 @@ class PipelineTrainer(Generic[ScenarioT, ConfigT]):
                 self._done = True
                 self._policy_updated.notify_all()
 
+    def _tune(self, steps_done: int) -> None:
+        """Every ``window_steps`` steps after the warm-up, move the worker count (online autotune)."""
+        tune = self.autotune
+        if tune is None:
+            return
+        if steps_done <= tune.warmup_ignore_steps:
+            self._meter.take_window()  # warm-up steps are not part of the first window
+            return
+        if (steps_done - tune.warmup_ignore_steps) % tune.window_steps:
+            return
+        decision = next_rollout_workers(self.num_rollout_workers, self._meter.take_window(), tune)
+        self.autotune_decisions.append((steps_done, decision.workers, decision.action, decision.reason))
+        if decision.workers != self.num_rollout_workers:
+            moved = f"{self.num_rollout_workers} -> {decision.workers}"
+            tqdm.write(f"autotune: {moved} rollout workers ({decision.reason})")
+            self.num_rollout_workers = decision.workers
+            self._add_workers()
+
     async def _evaluate(self, step: int) -> None:
+        if self.eval_fn is None:  # callers ask only when there is one
+            return
         groups = await self.eval_fn(self.model, step, self.config)
         if groups:
             await self.model.log(groups, split="val", step=step)

@@ -20,6 +20,7 @@ import signal
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterable
 from pathlib import Path
 
 from artery.shared.embedded import (
@@ -147,7 +148,7 @@ class NatsCluster:
                 self._start_node(node)
             # From now on each node knows every peer: a restarted one rejoins whoever is up.
             for node in self.nodes:
-                node.routes = [n.cluster_port for n in self.nodes]
+                node.routes = _cluster_ports(self.nodes)
             self.wait_ready(timeout)
         except BaseException:
             self.stop()
@@ -159,7 +160,7 @@ class NatsCluster:
         if node.cluster_port is not None:  # started before: same ports, routes to every peer
             node.start()
             return
-        running = [n.cluster_port for n in self.nodes if n.running]
+        running = _cluster_ports(n for n in self.nodes if n.running)
         if running:
             node.routes = running
             node.start()
@@ -214,3 +215,8 @@ class NatsCluster:
 
 def _ready(node: ClusterNode) -> bool:
     return node.health().get("status") == "ok" and node.meta_leader() is not None
+
+
+def _cluster_ports(nodes: Iterable[ClusterNode]) -> list[int]:
+    """The cluster ports of ``nodes``; every node started has one (picked before it starts)."""
+    return [n.cluster_port for n in nodes if n.cluster_port is not None]

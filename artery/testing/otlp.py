@@ -106,7 +106,8 @@ class OtlpReceiver:
     @property
     def endpoint(self) -> str:
         host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}"
+        # An AF_INET server's host is a str (typeshed allows bytes, for other families).
+        return f"http://{host.decode() if isinstance(host, bytes) else host}:{port}"
 
     def start(self) -> OtlpReceiver:
         self._thread = threading.Thread(target=self._server.serve_forever, name="otlp-receiver", daemon=True)

@@ -74,7 +74,12 @@ class ModelFiles:
     """``Model``'s state API (ART keeps it in ``state.json`` in the model's directory) and its
     pydantic ``model_copy``; the model class provides ``directory``."""
 
-    directory: Path
+    #: The model's OpenAI client, made on first use (a copy makes its own).
+    _openai_client: Any
+
+    @property
+    def directory(self) -> Path:
+        raise NotImplementedError("the model class says where its directory is")
 
     def model_copy(self, *, update: dict[str, Any] | None = None, deep: bool = False):
         """A copy (``deep``: of the config and every field too); it shares the original's backend

@@ -50,20 +50,31 @@ def group_dump(group: Any, mode: str = "python") -> dict[str, Any]:
     }
 
 
+def _choice_message(item: Any) -> Any:
+    """The message of a sampled choice (an OpenAI ``Choice``, or the dict a capture rebuilds),
+    or None for a message the agent wrote."""
+    if hasattr(item, "message") and hasattr(item, "finish_reason"):
+        return item.message
+    if isinstance(item, dict) and "message" in item and "finish_reason" in item:
+        return item["message"]
+    return None
+
+
 def for_logging(trajectory: Any) -> dict[str, Any]:
     """ART's ``Trajectory.for_logging()``: the messages, each marked ``trainable`` when it is a
     sampled choice, with the reward, metrics, metadata, tools and logs."""
+    main = trajectory.sent_conversations()[0]  # a captured trajectory's exchanges as messages
     messages = []
-    for item in trajectory.messages_and_choices:
-        trainable = hasattr(item, "message") and hasattr(item, "finish_reason")  # an OpenAI Choice
-        message = dump_value(item.message if trainable else item, "json")
-        messages.append({**message, "trainable": trainable})
+    for item in main.messages_and_choices:
+        choice = _choice_message(item)
+        message = dump_value(item if choice is None else choice, "json")
+        messages.append({**message, "trainable": choice is not None})
     return {
         "reward": dump_value(trajectory.reward),
         "metrics": dict(trajectory.metrics),
         "metadata": dict(trajectory.metadata),
         "messages": messages,
-        "tools": dump_value(trajectory.tools, "json"),
+        "tools": dump_value(main.tools, "json"),
         "logs": list(trajectory.logs),
     }
 

@@ -17,8 +17,11 @@
 import { randomBytes, randomUUID } from "node:crypto";
 import { connect, headers } from "nats";
 
-// Project and model names are single NATS subject tokens (schemas/base.py NAME_PATTERN).
-const NAME_PATTERN = /^[A-Za-z0-9_-]{1,64}$/;
+// Project and model names (schemas/base.py NAME_PATTERN): a dot inside, never first or last.
+const NAME_PATTERN = /^[A-Za-z0-9_-](?:[A-Za-z0-9_.-]{0,62}[A-Za-z0-9_-])?$/;
+// A name is one subject token: its dots are written "=2E" (shared/subjects.py token), since a dot
+// separates tokens ("a.b" would otherwise read as project "a", model "b").
+const token = (value) => value.replaceAll(".", "=2E");
 // Sent in the Artery-Schema header (schemas/base.py SCHEMA_VERSION).
 const SCHEMA_VERSION = "1";
 // The tag of TrajectoryGroupSubmitted: the value of the envelope's "event" field.
@@ -32,7 +35,7 @@ function fail(message) {
 function name(variable, fallback) {
   const value = process.env[variable] || fallback;
   if (!NAME_PATTERN.test(value)) {
-    fail(`${variable}=${JSON.stringify(value)} must match ${NAME_PATTERN} (it becomes a subject token)`);
+    fail(`${variable}=${JSON.stringify(value)} must match ${NAME_PATTERN} (a project or model name)`);
   }
   return value;
 }
@@ -119,7 +122,7 @@ async function main() {
   const model = name("ARTERY_MODEL", "node-agent");
   const count = nonNegativeInt("ARTERY_GROUPS", 1);
   const step = nonNegativeInt("ARTERY_STEP", undefined);
-  const subject = `artery.traj.${project}.${model}`;
+  const subject = `artery.traj.${token(project)}.${token(model)}`;
 
   let nc;
   try {

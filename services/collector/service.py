@@ -13,9 +13,8 @@ from collections.abc import Sequence
 import asyncpg
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from opentelemetry import trace
 
-from artery.schemas import GroupReady
+from artery.schemas import GroupReady, TrajectoryGroupSubmitted
 from artery.services.collector.settings import CollectorSettings
 from artery.services.collector.store import StoredGroup, write_groups
 from artery.services.collector.validate import decode_group
@@ -26,7 +25,7 @@ from artery.shared.db import ServicePool
 from artery.shared.errors import DependencyUnavailable, InvalidMessage
 from artery.shared.logs import get_logger
 from artery.shared.metrics import INGESTED_GROUPS, INGESTED_TRAJECTORIES
-from artery.shared.tracing import extract, tracer
+from artery.shared.subscriber import Delivery, Subscriber
 
 log = get_logger(__name__)
 SERVICE = "collector"
@@ -44,7 +43,10 @@ class Collector(ConsumingService):
         self.dsn = dsn
         self.settings = settings
         self.db = ServicePool(dsn, max_size=settings.db_pool_size)
-        self._tracer = tracer(SERVICE)
+        # The subject check is the validator's (``decode_group``), among the others it makes.
+        self.subscriber: Subscriber[TrajectoryGroupSubmitted] = Subscriber(
+            TrajectoryGroupSubmitted, service=SERVICE, span="collector.store_group", decode=self.decode
+        )
         # ``concurrency`` fetch loops on the same durable consumer, each with its own batch (as
         # replicas would be): while one batch waits for PostgreSQL, the next one is decoded.
         self.consumers = [
@@ -54,34 +56,29 @@ class Collector(ConsumingService):
                 stream=subjects.TRAJECTORIES,
                 durable=subjects.COLLECTOR_CONSUMER,
                 filter_subject=subjects.TRAJECTORIES.subjects[0],
-                handler=self.handle_batch,
+                handler=self.subscriber.batched(self.handle_batch, keep=_compact),
                 options=ConsumerOptions.from_settings(settings),
             )
             for _ in range(settings.concurrency)
         ]
 
-    async def handle_batch(self, msgs: Sequence[Msg]) -> list[BaseException | None]:
-        outcomes: list[BaseException | None] = [None] * len(msgs)
-        valid: list[tuple[int, StoredGroup]] = []
-        for i, msg in enumerate(msgs):
-            try:
-                group = decode_group(
-                    msg.subject,
-                    msg.data,
-                    msg.headers,
-                    max_bytes=self.settings.max_group_bytes,
-                    max_trajectories=self.settings.max_trajectories,
-                )
-            except InvalidMessage as exc:
-                outcomes[i] = exc
-                continue
-            # Only the compact record outlives this iteration (see StoredGroup).
-            valid.append((i, StoredGroup.of(group, msg.metadata.sequence.stream, msg.data)))
-        if not valid:
-            return outcomes
+    def decode(self, msg: Msg) -> TrajectoryGroupSubmitted:
+        """The group, checked against its subject, headers and the size limits (``validate``)."""
+        return decode_group(
+            msg.subject,
+            msg.data,
+            msg.headers,
+            max_bytes=self.settings.max_group_bytes,
+            max_trajectories=self.settings.max_trajectories,
+        )
+
+    async def handle_batch(self, items: list[tuple[StoredGroup, Delivery]]) -> list[BaseException | None]:
+        """The batch's valid groups (the subscriber dead-letters the others), in one transaction."""
+        outcomes: list[BaseException | None] = [None] * len(items)
+        valid = [(i, group) for i, (group, _) in enumerate(items)]
         try:
             valid = await self._store_isolating(valid, outcomes)
-            await self._announce(msgs, valid)
+            await self._announce([ctx for _, ctx in items], valid)
             for _, item in valid:
                 INGESTED_GROUPS.labels(item.project, item.model).inc()
                 INGESTED_TRAJECTORIES.labels(item.project, item.model).inc(len(item.rewards))
@@ -128,7 +125,7 @@ class Collector(ConsumingService):
         async with self.db.connection() as conn:
             return await write_groups(conn, batch)
 
-    async def _announce(self, msgs: Sequence[Msg], valid: list[tuple[int, StoredGroup]]) -> None:
+    async def _announce(self, deliveries: Sequence[Delivery], valid: list[tuple[int, StoredGroup]]) -> None:
         """Publish one ``group.ready`` per stored group, each in its submission's trace."""
         items = []
         for i, g in valid:
@@ -144,19 +141,15 @@ class Collector(ConsumingService):
                 needs_reward=g.needs_reward,
                 stream_seq=g.stream_seq,
             )
-            parent = extract(msgs[i].headers)
-            with self._tracer.start_as_current_span(
-                "collector.store_group",
-                context=parent,
-                kind=trace.SpanKind.CONSUMER,
-                attributes={
-                    "artery.group_id": g.id,
-                    "artery.project": g.project,
-                    "artery.model": g.model,
-                },
-            ):
+            attributes = {"artery.group_id": g.id, "artery.project": g.project, "artery.model": g.model}
+            with self.subscriber.span(deliveries[i], attributes):
                 items.append(prepare(subjects.group_ready(g.project, g.model), ready))
         try:
             await publish_prepared(self.js, items)
         except Exception as exc:  # rows are committed; the redelivery will announce again
             raise DependencyUnavailable(f"publishing group.ready failed: {exc!r}") from exc
+
+
+def _compact(group: TrajectoryGroupSubmitted, ctx: Delivery) -> StoredGroup:
+    """Only the compact record outlives the group's decoding (see StoredGroup)."""
+    return StoredGroup.of(group, ctx.stream_seq, ctx.msg.data)

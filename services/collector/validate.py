@@ -1,8 +1,8 @@
 """Turning raw messages into trusted trajectory groups (pure: no NATS, no database).
 
 The schema (msgspec) checks shapes, types and bounds (token ids); this adds what a type cannot
-say: finite numbers everywhere (msgpack carries NaN and infinities; stored as JSON they would
-become null), rewards within ``REWARD_LIMIT``, headers and a subject that agree with the payload,
+say: finite numbers everywhere and rewards within ``REWARD_LIMIT`` (the contract's rule, in
+``shared.contract``, which the SDK checks too), headers and a subject that agree with the payload,
 sizes within bounds. What passes is stored exactly as it was sent; everything else is rejected
 with the reason.
 
@@ -29,19 +29,15 @@ the message then.
 from __future__ import annotations
 
 import datetime as dt
-import math
 import re
 from collections.abc import Mapping
-from typing import Any
 
-from artery.schemas import SCHEMA_VERSION, History, TrainRequested, Trajectory, TrajectoryGroupSubmitted
-from artery.shared import codec, subjects
-from artery.shared.codec import CONTENT_TYPE, EVENT_HEADER, SCHEMA_HEADER, EventDecoder, json_leaves
+from artery.schemas import SCHEMA_VERSION, TrainRequested, TrajectoryGroupSubmitted
+from artery.shared import subjects
+from artery.shared.codec import CONTENT_TYPE, EVENT_HEADER, SCHEMA_HEADER, EventDecoder
+from artery.shared.contract import check_finite
 from artery.shared.errors import InvalidMessage
 
-#: The largest reward magnitude a trajectory may carry. Far beyond any sensible reward scale; it
-#: keeps sums, means and variances finite (two rewards of 1.8e308 already sum to infinity).
-REWARD_LIMIT = 1e6
 #: The range of a sane event time. Nothing Artery records predates the Unix epoch, and a clock a
 #: few decades fast is still let through; beyond these, a time is a mistake or a probe.
 EARLIEST_TIME = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
@@ -149,74 +145,3 @@ def check_headers(headers: Mapping[str, str]) -> None:
         raise InvalidMessage(
             "header_mismatch", f"{SCHEMA_HEADER} {schema!r}: this collector reads version {SCHEMA_VERSION!r}"
         )
-
-
-def check_finite(group: TrajectoryGroupSubmitted) -> None:
-    """NaN and infinities would poison every mean and every advantage downstream; stored as
-    JSON they would come back as null. Rewards must also lie within ``REWARD_LIMIT``."""
-    for i, trajectory in enumerate(group.trajectories):
-        if not math.isfinite(trajectory.reward):
-            raise InvalidMessage(
-                "non_finite",
-                f"trajectories[{i}].reward is {trajectory.reward}",
-                original_id=group.id,
-            )
-        if abs(trajectory.reward) > REWARD_LIMIT:
-            raise InvalidMessage(
-                "out_of_range",
-                f"trajectories[{i}].reward is {trajectory.reward}, beyond the limit of ±{REWARD_LIMIT:g}",
-                original_id=group.id,
-            )
-        _check_finite_values(trajectory.metrics, f"trajectories[{i}].metrics", group.id)
-        _check_finite_values(trajectory.metadata, f"trajectories[{i}].metadata", group.id)
-        _check_conversation(trajectory, f"trajectories[{i}]", group.id)
-        for h, history in enumerate(trajectory.additional_histories):
-            _check_conversation(history, f"trajectories[{i}].additional_histories[{h}]", group.id)
-    _check_finite_values(group.metrics, "metrics", group.id)
-    _check_finite_values(group.metadata, "metadata", group.id)
-
-
-def _check_conversation(conversation: Trajectory | History, where: str, group_id: str) -> None:
-    """A conversation's tools and samples (the trajectory's own, or an additional history's)."""
-    for t, tool in enumerate(conversation.tools or ()):
-        _check_finite_tree(tool.function.parameters, f"{where}.tools[{t}]", group_id)
-    for m, message in enumerate(conversation.messages):
-        for c, call in enumerate(message.tool_calls or ()):
-            if codec.json_nesting_exceeds(call.function.arguments):
-                raise InvalidMessage(
-                    "validation",
-                    f"{where}.messages[{m}].tool_calls[{c}].function.arguments nests deeper than "
-                    f"the limit of {codec.MAX_NESTING}",
-                    original_id=group_id,
-                )
-        sample = message.sample
-        if sample is None:
-            continue
-        at = f"{where}.messages[{m}].sample"
-        if len(sample.token_ids) != len(sample.logprobs):
-            raise InvalidMessage(
-                "validation",
-                f"{at}: {len(sample.token_ids)} token ids but {len(sample.logprobs)} logprobs",
-                original_id=group_id,
-            )
-        if not all(map(math.isfinite, sample.logprobs)):
-            raise InvalidMessage("non_finite", f"{at}.logprobs has a non-finite value", original_id=group_id)
-        if sample.top_logprobs is not None and not all(
-            math.isfinite(alt.logprob) for position in sample.top_logprobs for alt in position
-        ):
-            raise InvalidMessage(
-                "non_finite", f"{at}.top_logprobs has a non-finite value", original_id=group_id
-            )
-
-
-def _check_finite_values(values: dict, where: str, group_id: str) -> None:
-    for key, value in values.items():
-        if isinstance(value, float) and not math.isfinite(value):
-            raise InvalidMessage("non_finite", f"{where}[{key!r}] is {value}", original_id=group_id)
-
-
-def _check_finite_tree(value: Any, where: str, group_id: str) -> None:
-    """Free-form JSON (a tool's parameter schema): every float in it, however deep."""
-    for leaf in json_leaves(value):
-        if isinstance(leaf, float) and not math.isfinite(leaf):
-            raise InvalidMessage("non_finite", f"{where} holds {leaf}", original_id=group_id)

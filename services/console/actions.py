@@ -157,7 +157,7 @@ async def republish(session: AdminSession, seq: int) -> dict:
     except Exception:
         raise ActionRefused(404, f"no dead letter {seq} in {subjects.DLQ.name}") from None
     try:
-        letter = _dead_letter.decode(msg.data, (msg.headers or {}).get(CONTENT_TYPE))
+        letter = _dead_letter.decode(msg.data or b"", (msg.headers or {}).get(CONTENT_TYPE))
     except InvalidMessage as exc:
         raise ActionRefused(409, f"dead letter {seq} is unreadable: {exc}") from None
     if letter.payload_truncated:

@@ -138,9 +138,9 @@ def create_app(sources: Sources) -> FastAPI:
                     }
                 )
         for row in rows:
-            record = records.get((row["project"], row["name"]))
-            row["registry_step"] = record.step if record else None
-            row["base_model"] = row["base_model"] or (record.base_model if record else None)
+            registered = records.get((row["project"], row["name"]))
+            row["registry_step"] = registered.step if registered else None
+            row["base_model"] = row["base_model"] or (registered.base_model if registered else None)
         projects: dict[str, list[dict]] = {}
         for row in sorted(rows, key=lambda r: (r["project"], r["name"])):
             projects.setdefault(row["project"], []).append(row)

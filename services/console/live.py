@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 
 import msgspec
 import nats
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from artery.schemas import DeadLetter, ModelRecord
@@ -75,12 +76,16 @@ async def dead_letters(js: JetStreamContext, limit: int) -> list[dict]:
             seq -= 1
             continue
         try:
-            letter = _dead_letter.decode(msg.data, (msg.headers or {}).get(CONTENT_TYPE))
+            letter = _dead_letter.decode(msg.data or b"", (msg.headers or {}).get(CONTENT_TYPE))
             entry = msgspec.to_builtins(letter)
             entry["payload_preview"] = _preview(letter.payload)
             entry.pop("payload", None)
         except InvalidMessage as exc:
-            entry = {"service": msg.subject.rsplit(".", 1)[-1], "kind": "unreadable", "reason": str(exc)}
+            entry = {
+                "service": (msg.subject or "").rsplit(".", 1)[-1],
+                "kind": "unreadable",
+                "reason": str(exc),
+            }
         entry["seq"] = seq
         found.append(entry)
         seq -= 1
@@ -118,7 +123,7 @@ def _summary(kind: str, subject: str, data: bytes) -> dict:
 
 async def feed(nc: nats.NATS, project: str | None = None, model: str | None = None) -> AsyncIterator[str]:
     """Server-Sent Events for every event of ``project``/``model`` (all, when None), as they come."""
-    queue: asyncio.Queue[tuple[str, nats.aio.msg.Msg]] = asyncio.Queue(maxsize=1000)
+    queue: asyncio.Queue[tuple[str, Msg]] = asyncio.Queue(maxsize=1000)
     subs = []
     for kind, subject in FEED.items():
 

@@ -1,8 +1,10 @@
 """The OpenAI-compatible HTTP API of the inference service, over any ``Engine``.
 
-``POST /v1/chat/completions`` (plain or streamed), ``GET /v1/models``, ``GET /health`` (serving
-state: paused, lagging), ``GET /healthz`` and ``GET /readyz`` (``shared.health``). With an API key
-set, ``/v1`` needs it, and ``/health`` answers a probe without it by its status code and
+``POST /v1/chat/completions`` (plain or streamed; beside it, on the same engine path, the legacy
+``/v1/completions``, OpenAI's ``/v1/responses`` and Anthropic's ``/v1/messages``: see ``wire``),
+``GET /v1/models``, ``GET /health`` (serving state: paused, lagging), ``GET /healthz`` and
+``GET /readyz`` (``shared.health``). With an API key set, ``/v1`` needs it (as a bearer token, or
+in Anthropic's ``x-api-key`` header), and ``/health`` answers a probe without it by its code and
 ``status`` alone: which adapters are served, and how far behind, is told to key holders only. Bodies are
 decoded and encoded with msgspec; every error has OpenAI's shape, ``{"error": {message, type, param,
 code}}``, with the status OpenAI would use (400, 401, 404, 413) plus 503 ``engine_paused`` when the
@@ -20,11 +22,10 @@ A completion runs in an ``inference.chat_completion`` span (SERVER) that continu
 
 from __future__ import annotations
 
-import contextlib
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterable, AsyncIterator
 
 import msgspec
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -34,6 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from artery.services.inference import completions, messages, responses
 from artery.services.inference.chat import (
     TokenPieces,
     build_choice,
@@ -42,7 +44,7 @@ from artery.services.inference.chat import (
     render_prompt,
     sampling_params,
 )
-from artery.services.inference.engine.base import EngineError, GenerationRequest, UnknownAdapter
+from artery.services.inference.engine.base import GenerationRequest, UnknownAdapter
 from artery.services.inference.openai_types import (
     ApiError,
     ChatCompletion,
@@ -52,9 +54,10 @@ from artery.services.inference.openai_types import (
     Usage,
     check_request,
 )
-from artery.services.inference.serving import EnginePaused, ModelNotFound, Resolved, ServingState
+from artery.services.inference.serving import Resolved, ServingState
 from artery.services.inference.settings import DEFAULT_MAX_BODY_BYTES
 from artery.services.inference.streaming import EngineStream, sse_events
+from artery.services.inference.wire import translate_errors as _translate_errors
 from artery.shared.health import HEALTH
 from artery.shared.logs import get_logger
 from artery.shared.metrics import REPLICA_QUEUE_DEPTH
@@ -202,6 +205,20 @@ def create_app(state: ServingState, *, max_body_bytes: int = DEFAULT_MAX_BODY_BY
             _completion(request, request_id, resolved, prompt, completions, pieces(engine.tokenizer))
         )
 
+    # The other wire APIs, on the same engine path (``wire``): raw prompts, OpenAI's Responses
+    # API, Anthropic's Messages API.
+    @v1.post("/completions")
+    async def legacy_completions(http: Request) -> Response:
+        return await completions.handle(http, state, pieces(state.engine.tokenizer))
+
+    @v1.post("/messages")
+    async def anthropic_messages(http: Request) -> Response:
+        return await messages.handle(http, state)
+
+    @v1.post("/responses")
+    async def openai_responses(http: Request) -> Response:
+        return await responses.handle(http, state)
+
     app.include_router(v1)
     return app
 
@@ -257,7 +274,9 @@ def _content_length(scope: Scope) -> int | None:
     return None
 
 
-async def _ending(chunks: AsyncIterator, span: trace.Span) -> AsyncIterator:
+async def _ending(
+    chunks: AsyncIterable[str | bytes | memoryview], span: trace.Span
+) -> AsyncIterator[str | bytes | memoryview]:
     """The streamed body; the request's span ends with it, and it leaves the queue."""
     try:
         async for chunk in chunks:
@@ -292,38 +311,6 @@ def _completion(
     )
 
 
-@contextlib.contextmanager
-def _translate_errors() -> Iterator[None]:
-    """The serving layer's and the engine's exceptions as OpenAI errors."""
-    try:
-        yield
-    except ApiError:
-        raise
-    except ModelNotFound as exc:
-        raise ApiError(404, str(exc), param="model", code="model_not_found") from None
-    except UnknownAdapter as exc:  # unloaded between resolving the name and generating
-        raise ApiError(
-            404, f"The model's adapter is not loaded: {exc}", param="model", code="model_not_found"
-        ) from None
-    except EnginePaused as exc:
-        retry_after = exc.retry_after
-        raise ApiError(
-            503,
-            str(exc) or "Inference is paused for training and stayed paused past the wait limit",
-            type="server_error",
-            code="engine_paused",
-            headers={"Retry-After": str(max(1, round(retry_after)))} if retry_after else None,
-        ) from None
-    except EngineError as exc:
-        log.error("engine error", error=repr(exc))
-        raise ApiError(500, f"The engine failed: {exc}", type="server_error", code="engine_error") from None
-    except Exception as exc:
-        log.exception("engine failure")
-        raise ApiError(
-            500, f"The engine failed: {type(exc).__name__}: {exc}", type="server_error", code="engine_error"
-        ) from None
-
-
 def _has_key(http: Request) -> bool:
     """Whether the request may see more than a probe: no key is set, or it carries the key."""
     try:
@@ -339,6 +326,8 @@ def _authorize(http: Request) -> None:
         return
     scheme, _, given = http.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not given:
+        given = http.headers.get("x-api-key", "")  # how Anthropic's clients send it
+    if not given:
         raise ApiError(
             401, "You didn't provide an API key: send `Authorization: Bearer <key>`.", code="invalid_api_key"
         )

@@ -58,6 +58,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Generic, TypeVar
 
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
@@ -94,12 +95,21 @@ _tracer = tracer("inference")
 _FIRST_CATCH_UP_ATTEMPTS = 25
 
 
+#: A checkpoint event the watcher acts on: one to load (published, or saved by the trainer), or
+#: a deletion.
+_Event = TypeVar("_Event", CheckpointPublished, CheckpointSaved, CheckpointDeleted, covariant=True)
+
+
 @dataclass(frozen=True)
-class _Received:
+class _Received(Generic[_Event]):
     """A decoded checkpoint event and the headers it came with (its trace)."""
 
-    event: CheckpointPublished | CheckpointSaved | CheckpointDeleted
+    event: _Event
     headers: dict[str, str] | None
+
+
+#: What the loop loads: a published step, or one the trainer saved (its file read directly).
+_ToLoad = _Received[CheckpointPublished] | _Received[CheckpointSaved]
 
 
 class CheckpointWatcher:
@@ -144,12 +154,12 @@ class CheckpointWatcher:
         #: Deleted steps: never loaded (again), whatever arrives late.
         self._gone: set[int] = set()
         #: step -> its newest published event not handled yet; the loop takes the highest.
-        self._pending: dict[int, _Received] = {}
+        self._pending: dict[int, _ToLoad] = {}
         #: step -> its published event, set aside while the same bytes load from the trainer's
         #: file; queued again if that load fails (a file this replica cannot read after all).
-        self._published_aside: dict[int, _Received] = {}
+        self._published_aside: dict[int, _Received[CheckpointPublished]] = {}
         #: step -> its deletion, applied after the next load.
-        self._deletions: dict[int, _Received] = {}
+        self._deletions: dict[int, _Received[CheckpointDeleted]] = {}
         self._fetching: tuple[int, asyncio.Task] | None = None
         self._behind_since: float | None = None
         self._wake = asyncio.Event()
@@ -296,7 +306,7 @@ class CheckpointWatcher:
             last = await self.js.get_last_msg(subjects.CHECKPOINTS.name, self._published, direct=True)
         except NotFoundError:
             return  # nothing published yet
-        self._offer(last.data, last.headers, live=False)
+        self._offer(last.data or b"", last.headers, live=False)
 
     async def _keep_catching_up(self) -> None:
         while not self._stopping.is_set():
@@ -321,8 +331,8 @@ class CheckpointWatcher:
                 if not self._loaded_already(step, received.event):
                     await self._handle(received, "inference.load_adapter", self._load(step, received.event))
             deletions, self._deletions = self._deletions, {}
-            for step, received in sorted(deletions.items()):
-                await self._handle(received, "inference.unload_adapter", self._unload(step, received.event))
+            for step, deletion in sorted(deletions.items()):
+                await self._handle(deletion, "inference.unload_adapter", self._unload(step, deletion.event))
 
     def _loaded_already(self, step: int, event: CheckpointPublished | CheckpointSaved) -> bool:
         """A published step whose bytes were loaded from the trainer's file: settled, no second load."""
@@ -332,7 +342,7 @@ class CheckpointWatcher:
             return True
         return False
 
-    def _take_newest(self) -> tuple[int, _Received]:
+    def _take_newest(self) -> tuple[int, _ToLoad]:
         """The highest pending step; the lower ones are skipped (training has moved past them)."""
         step = max(self._pending)
         received = self._pending.pop(step)

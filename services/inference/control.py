@@ -30,6 +30,7 @@ import nats
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
+from nats.js.kv import KeyValue
 
 from artery.schemas import PauseAck, PauseInference, ReplicaInfo, ResumeAck, ResumeInference
 from artery.schemas.base import new_event_id, utcnow
@@ -248,7 +249,7 @@ class ReplicaRegistry:
         self.served = served
         self.heartbeat_s = heartbeat_s
         self._key = subjects.replica_key(project, model, self.replica_id)
-        self._kv = None
+        self._kv: KeyValue | None = None
         self._task: asyncio.Task | None = None
         self._stopping = asyncio.Event()
 

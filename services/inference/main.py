@@ -19,7 +19,7 @@ from artery.services.inference.serving import ServingState
 from artery.services.inference.settings import PREFIX, InferenceSettings
 from artery.shared import bus
 from artery.shared.auth import secret_value
-from artery.shared.http import http_limits, serve_http
+from artery.shared.http import http_limits, serve_http, stop_http
 from artery.shared.logs import get_logger
 from artery.shared.models import limit_torch_threads, resolve_base_model
 from artery.shared.runtime import connect_service, run_service
@@ -122,8 +122,7 @@ async def start(common: CommonSettings, stop: asyncio.Event) -> None:
     await control.stop()
     await watcher.stop()
     await gate.close()
-    server.should_exit = True
-    await server_task
+    await stop_http(server, server_task)
     await engine.close()
     await bus.close(nc)
 

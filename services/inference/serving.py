@@ -119,6 +119,7 @@ class ServingState:
     def resolve(self, name: str) -> Resolved:
         """The adapter a requested model name means now; raises ``ModelNotFound``."""
         steps = self.steps()
+        step: int | None
         if name == self.model:
             step = max(steps, default=0)
         elif name == self.base_model:

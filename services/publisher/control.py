@@ -129,5 +129,5 @@ def _names(subject: str) -> tuple[str, str]:
     parts = subject.split(".")
     if len(parts) != len(pattern):
         return UNKNOWN, UNKNOWN
-    project, model = (parts[i] for i, token in enumerate(pattern) if token == "*")
+    project, model = (subjects.name_of(parts[i]) for i, token in enumerate(pattern) if token == "*")
     return (project if _NAME.match(project) else UNKNOWN, model if _NAME.match(model) else UNKNOWN)

@@ -159,7 +159,7 @@ def _names(subject: str, pattern: str) -> tuple[str, str]:
     want, parts = pattern.split("."), subject.split(".")
     if len(parts) != len(want):
         raise InvalidMessage("subject", f"not a registry subject: {subject!r}")
-    project, model = (parts[i] for i, token in enumerate(want) if token == "*")
+    project, model = (subjects.name_of(parts[i]) for i, token in enumerate(want) if token == "*")
     if not (_NAME.match(project) and _NAME.match(model)):
         raise InvalidMessage("subject", f"{subject!r} names no valid project and model")
     return project, model

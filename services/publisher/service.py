@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import uuid
-from collections.abc import Sequence
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -37,20 +36,18 @@ from artery.services.publisher.settings import PublisherSettings
 from artery.services.publisher.store import CheckpointRow
 from artery.shared import subjects
 from artery.shared.adapters import put_adapter
-from artery.shared.bus import CONTENT_TYPE, publish_event
-from artery.shared.codec import EventDecoder
+from artery.shared.bus import publish_event
 from artery.shared.consumer import ConsumerOptions, ConsumingService, DurableConsumer
 from artery.shared.db import ServicePool
 from artery.shared.errors import DependencyUnavailable, InvalidMessage
 from artery.shared.logs import get_logger
 from artery.shared.served_name import served_name
-from artery.shared.tracing import continue_trace, tracer
+from artery.shared.subscriber import Delivery, Subscriber
 
 log = get_logger(__name__)
 SERVICE = "publisher"
 _PUBLISHED_NAMESPACE = uuid.UUID("8a4f2c1e-7b3d-4f6a-9e5c-7075626c6973")
 _DELETED_NAMESPACE = uuid.UUID("8a4f2c1e-7b3d-4f6a-9e5c-64656c657465")
-_decoder = EventDecoder(CheckpointSaved)
 
 
 def object_name(project: str, model: str, step: int) -> str:
@@ -77,7 +74,17 @@ class Publisher(ConsumingService):
         self.settings = settings
         self.policy = settings.retention_policy()
         self.db = ServicePool(dsn, max_size=settings.db_pool_size)
-        self._tracer = tracer(SERVICE)
+        self.subscriber: Subscriber[CheckpointSaved] = Subscriber(
+            CheckpointSaved,
+            service=SERVICE,
+            span="publisher.publish_checkpoint",
+            subject=lambda saved: subjects.checkpoint("saved", saved.project, saved.model),
+            attributes=lambda saved: {
+                "artery.project": saved.project,
+                "artery.model": saved.model,
+                "artery.step": saved.step,
+            },
+        )
         self.consumers = [
             DurableConsumer(
                 self.js,
@@ -85,50 +92,15 @@ class Publisher(ConsumingService):
                 stream=subjects.CHECKPOINTS,
                 durable=subjects.PUBLISHER_CONSUMER,
                 filter_subject=subjects.CHECKPOINTS_SAVED,
-                handler=self.handle_batch,
+                handler=self.subscriber.one_at_a_time(self.handle),
                 options=ConsumerOptions.from_settings(settings),
             )
         ]
 
-    async def handle_batch(self, msgs: Sequence[Msg]) -> list[BaseException | None]:
-        """One at a time, in stream order; after an outage the rest of the batch waits too."""
-        outcomes: list[BaseException | None] = []
-        for msg in msgs:
-            if outcomes and isinstance(outcomes[-1], DependencyUnavailable):
-                outcomes.append(outcomes[-1])
-                continue
-            try:
-                await self.handle(msg)
-                outcomes.append(None)
-            except Exception as exc:
-                outcomes.append(exc)
-        return outcomes
-
-    async def handle(self, msg: Msg) -> None:
-        saved = _decoder.decode(msg.data, (msg.headers or {}).get(CONTENT_TYPE))
-        if msg.subject != subjects.checkpoint("saved", saved.project, saved.model):
-            raise InvalidMessage(
-                "subject_mismatch",
-                f"{saved.project}/{saved.model} published on {msg.subject}",
-                original_id=saved.id,
-            )
-        # The trainer's step span published checkpoint.saved: this continues its trace, and
-        # checkpoint.published (published inside) carries it on to every inference replica.
-        with continue_trace(
-            self._tracer,
-            "publisher.publish_checkpoint",
-            msg.headers,
-            attributes={
-                "artery.project": saved.project,
-                "artery.model": saved.model,
-                "artery.step": saved.step,
-            },
-        ):
-            try:
-                await self.publish_checkpoint(saved, msg)
-            except InvalidMessage as exc:
-                exc.original_id = exc.original_id or saved.id
-                raise
+    async def handle(self, saved: CheckpointSaved, ctx: Delivery) -> None:
+        """One ``checkpoint.saved``, in the span that continues the trainer's step: what it
+        publishes (``checkpoint.published``) carries the trace on to every inference replica."""
+        await self.publish_checkpoint(saved, ctx.msg)
 
     async def publish_checkpoint(self, saved: CheckpointSaved, msg: Msg | None = None) -> None:
         if saved.step is None:

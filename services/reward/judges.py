@@ -75,9 +75,10 @@ def error_kind(error: str) -> tuple[str, str]:
 
 def _causes(exc: BaseException) -> list[BaseException]:
     chain: list[BaseException] = []
-    while exc is not None and exc not in chain and len(chain) < 16:
-        chain.append(exc)
-        exc = exc.__cause__ or exc.__context__
+    link: BaseException | None = exc
+    while link is not None and link not in chain and len(chain) < 16:
+        chain.append(link)
+        link = link.__cause__ or link.__context__
     return chain
 
 
@@ -102,6 +103,7 @@ def failure_kind(exc: BaseException) -> str | None:
     ):
         return None  # connection refused or reset, DNS, timeout
     answered = next((c for c in causes if isinstance(c, httpx.HTTPStatusError)), None)
+    status: int | None
     if answered is not None:
         status = answered.response.status_code
     elif len(causes) == 1:

@@ -25,13 +25,11 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import uuid
-from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from opentelemetry import trace
 
 from artery.schemas import GroupReady, GroupScored, JudgeUsage, Trajectory, TrajectoryScore
 from artery.services.reward.judges import (
@@ -57,20 +55,18 @@ from artery.services.reward.store import (
 )
 from artery.services.reward.verdicts import JudgedGroup, VerdictOutbox
 from artery.shared import subjects
-from artery.shared.bus import CONTENT_TYPE, derived_id, publish_event
-from artery.shared.codec import EventDecoder
+from artery.shared.bus import derived_id, publish_event
 from artery.shared.consumer import ConsumerOptions, ConsumingService, DurableConsumer
 from artery.shared.db import ServicePool
 from artery.shared.errors import DependencyUnavailable, InvalidMessage
 from artery.shared.logs import get_logger
 from artery.shared.metrics import JUDGE_CALLS, JUDGE_COST, JUDGE_TOKENS
 from artery.shared.ruler import DEFAULT_RUBRIC, RulerError, ruler_judgement
-from artery.shared.tracing import extract, tracer
+from artery.shared.subscriber import Delivery, Subscriber
 
 log = get_logger(__name__)
 SERVICE = "reward"
 _SCORED_NAMESPACE = uuid.UUID("3b9e6c2a-1f4d-4e8b-a7c5-72756c657221")
-_decoder = EventDecoder(GroupReady)
 
 
 def scored_event_id(project: str, model: str, group_id: str) -> str:
@@ -106,7 +102,14 @@ class RewardService(ConsumingService):
         self.js = nc.jetstream()
         self.settings = settings
         self.db = ServicePool(dsn, max_size=settings.db_pool_size)
-        self._tracer = tracer(SERVICE)
+        # Each group's outcome alone: the others of the batch stand.
+        self.subscriber: Subscriber[GroupReady] = Subscriber(
+            GroupReady,
+            service=SERVICE,
+            span="reward.score_group",
+            accept=lambda ready: ready.needs_reward,
+            attributes=lambda ready: {"artery.group_id": ready.group_id, "artery.project": ready.project},
+        )
         self._judging = asyncio.Semaphore(settings.concurrency)
         self.verdicts = VerdictOutbox(self.js)
         #: Verdicts given but not yet in PostgreSQL (group id -> verdict): a second copy, for when
@@ -123,7 +126,7 @@ class RewardService(ConsumingService):
                 stream=subjects.GROUPS,
                 durable=subjects.REWARD_CONSUMER,
                 filter_subject=subjects.GROUPS_READY,
-                handler=self.handle_batch,
+                handler=self.subscriber.concurrently(self.handle),
                 options=ConsumerOptions.from_settings(settings),
             )
         ]
@@ -136,24 +139,9 @@ class RewardService(ConsumingService):
             log.warning("litellm is not installed: groups asking for RULER will be dead-lettered")
         await super().start()
 
-    async def handle_batch(self, msgs: Sequence[Msg]) -> list[BaseException | None]:
-        return list(await asyncio.gather(*(self._outcome(msg) for msg in msgs)))
-
-    async def _outcome(self, msg: Msg) -> BaseException | None:
-        try:
-            ready = _decoder.decode(msg.data, (msg.headers or {}).get(CONTENT_TYPE))
-            if not ready.needs_reward:
-                return None  # the agent's rewards are final
-            with self._tracer.start_as_current_span(
-                "reward.score_group",
-                context=extract(msg.headers),
-                kind=trace.SpanKind.CONSUMER,
-                attributes={"artery.group_id": ready.group_id, "artery.project": ready.project},
-            ):
-                await self.score(ready, msg)
-            return None
-        except Exception as exc:  # this group's outcome alone: the others of the batch stand
-            return exc
+    async def handle(self, ready: GroupReady, ctx: Delivery) -> None:
+        """A group that asked for a judge (the others' rewards are final: acked untouched)."""
+        await self.score(ready, ctx.msg)
 
     async def score(self, ready: GroupReady, msg: Msg | None = None) -> GroupScored:
         """Score the group once, store the verdict, announce it (or raise it as InvalidMessage).

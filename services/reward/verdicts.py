@@ -39,7 +39,7 @@ _decode = msgspec.json.Decoder(JudgedGroup).decode
 
 def verdict_key(project: str, model: str, group_id: str) -> str:
     digest = hashlib.sha256(group_id.encode()).hexdigest()[:32]
-    return f"{project}.{model}.{digest}"
+    return f"{subjects.model_key(project, model)}.{digest}"
 
 
 class VerdictOutbox:
@@ -62,7 +62,7 @@ class VerdictOutbox:
             return None
         except Exception as exc:
             raise DependencyUnavailable(f"verdict outbox unavailable: {exc!r}") from exc
-        return _decode(entry.value)
+        return _decode(entry.value) if entry.value is not None else None  # put always writes one
 
     async def put(self, project: str, model: str, group_id: str, judged: JudgedGroup) -> None:
         try:

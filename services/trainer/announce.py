@@ -23,6 +23,7 @@ from artery.shared.errors import DependencyUnavailable
 from artery.shared.logs import get_logger
 from artery.shared.metrics import PAUSE_SECONDS, STEP_SECONDS, TRAINER_TOKENS, TRAINER_TOKENS_PER_SECOND
 from artery.shared.registry import read_record
+from artery.shared.served_name import served_name
 
 log = get_logger(__name__)
 _IDS = uuid.UUID("5b2d8f0e-6a1c-4f4e-9d55-747261696e21")
@@ -49,6 +50,8 @@ async def publish_checkpoint(
     metrics: dict,
 ) -> None:
     """``checkpoint.saved`` for the step's packed adapter (the publisher stores and announces it)."""
+    if record.base_model is None:  # never: the trainer refuses such a record before a step
+        raise ValueError(f"a record of project {record.project} has no base model")
     path, sha256, size = await asyncio.to_thread(checkpoints.packed_adapter, settings, record, step)
     await publish_event(
         js,
@@ -98,7 +101,7 @@ async def complete(js: JetStreamContext, request: TrainRequest, step: int, metri
         step=step,
         request_id=request.id,
         metrics=finite(metrics),
-        checkpoint=f"{request.model}@{step}",
+        checkpoint=served_name(request.model, step),
     )
     await publish_event(js, subjects.train("completed", request.project, request.model), event)
     return event

@@ -89,7 +89,7 @@ def lora_settings(settings: TrainerSettings, record: ModelRecord) -> LoraSetting
         rank=int(overrides.get("rank", settings.lora_rank)),
         alpha=float(overrides.get("alpha", settings.lora_alpha)),
         dropout=float(overrides.get("dropout", 0.0)),
-        target_modules=list(
+        target_modules=tuple(
             overrides.get("target_modules")
             or [m.strip() for m in settings.lora_target_modules.split(",") if m.strip()]
         ),
@@ -175,6 +175,8 @@ class PolicyCache:
         return self._policy, self._step
 
     def _load(self, record: ModelRecord, step: int) -> Policy:
+        if record.base_model is None:  # refused before any step is asked of it (service.py)
+            raise ModelUnusable(f"{record.project}/{record.name} has no base model")
         base = resolve_base_model(record.base_model)
         lora, optim = lora_settings(self.settings, record), optim_settings(self.settings)
         if step == 0:

@@ -57,7 +57,7 @@ def peft_config(lora: LoraSettings) -> Any:
 
     return LoraConfig(
         r=lora.rank,
-        lora_alpha=lora.alpha,
+        lora_alpha=lora.alpha,  # type: ignore[arg-type]  # annotated int; PEFT divides it by r
         lora_dropout=lora.dropout,
         target_modules=list(lora.target_modules),
         bias="none",
@@ -94,15 +94,17 @@ def load_peft(path: str, lora: LoraSettings, dtype: torch.dtype, device: torch.d
 
     from artery.shared.models import warm_start
 
+    # The ignores below: transformers types ``to`` as functools.wraps(Module.to), whose signature
+    # mypy reads unbound (a device is taken for ``self``).
     warm = warm_start(path)
     if warm is not None:
         tokenizer = AutoTokenizer.from_pretrained(warm.tokenizer_path())
-        base = AutoModelForCausalLM.from_pretrained(warm.base_path(), dtype=dtype).to(device)
+        base = AutoModelForCausalLM.from_pretrained(warm.base_path(), dtype=dtype).to(device)  # type: ignore[arg-type]
         # Under the adapter name get_peft_model uses ("default"): saved steps have the same keys.
         model = PeftModel.from_pretrained(base, str(warm.adapter_dir), is_trainable=True)
         return model, tokenizer
     tokenizer = AutoTokenizer.from_pretrained(path)
-    base = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)  # type: ignore[arg-type]
     # Adapter weights stay float32 on a bf16 base (PEFT's autocast_adapter_dtype): AdamW on bf16
     # LoRA weights loses small updates.
     return get_peft_model(base, peft_config(lora)), tokenizer

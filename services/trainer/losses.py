@@ -118,7 +118,8 @@ class LossOutput:
 
 LossFn = Callable[[LossInputs], LossOutput]
 PolicyTerm = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]
-Reduction = Callable[[Tensor, Tensor, float, float], Tensor]
+#: (per_token, mask, sequences, tokens): the token count is this batch's own (a tensor) or the step's.
+Reduction = Callable[[Tensor, Tensor, float, Tensor | float], Tensor]
 
 
 # --------------------------------------------------------------------------- per-token terms
@@ -207,7 +208,7 @@ def constant_length_sum(per_token: Tensor, mask: Tensor, num_sequences: float, m
     return (per_token * mask).sum() / (num_sequences * max_length)  # []
 
 
-def token_mean(per_token: Tensor, mask: Tensor, num_tokens: float) -> Tensor:
+def token_mean(per_token: Tensor, mask: Tensor, num_tokens: Tensor | float) -> Tensor:
     """dapo, cispo, ppo: the mean over every trained token of the step."""
     return (per_token * mask).sum() / num_tokens  # []
 
@@ -261,5 +262,7 @@ def _reduction(config: LossConfig) -> Reduction:
 def select_loss(config: LossConfig) -> LossFn:
     """Pick the variant once; the returned function is what every training step calls."""
     base = cispo_term if config.name == "cispo" else ppo_clip_term
-    term = functools.partial(base, epsilon=config.epsilon, epsilon_high=config.epsilon_high)
+    epsilon, epsilon_high = config.epsilon, config.epsilon_high
+    assert epsilon is not None and epsilon_high is not None  # filled in by LossConfig.__post_init__
+    term = functools.partial(base, epsilon=epsilon, epsilon_high=epsilon_high)
     return functools.partial(policy_loss, config=config, term=term, reduce=_reduction(config))

@@ -1,4 +1,5 @@
-"""Entry point: ``python -m artery.services.trainer``. Settings are validated before connecting."""
+"""Entry point: ``python -m artery.services.trainer``. Settings are validated before connecting,
+and before torch is imported (seconds): a wrong setting is said at once."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import socket
 import msgspec
 
 from artery.services.trainer.base_models import ANY, EMBEDDED
-from artery.services.trainer.service import Trainer
 from artery.services.trainer.settings import PREFIX, TrainerSettings
 from artery.shared.auth import nats_connect_options
 from artery.shared.models import limit_torch_threads
@@ -24,6 +24,9 @@ async def start(common: CommonSettings, stop: asyncio.Event) -> None:
         allowed = ",".join(EMBEDDED) if authenticated(common) else ANY
         settings = msgspec.structs.replace(settings, base_models=allowed)
     limit_torch_threads(settings.torch_threads)
+    # The settings are valid: now the training stack (torch, transformers) may load.
+    from artery.services.trainer.service import Trainer
+
     trainer_id = f"trainer-{socket.gethostname()}-{os.getpid()}"
     await serve_consumers(
         "trainer",

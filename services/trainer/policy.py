@@ -71,6 +71,7 @@ from artery.services.trainer.optimizer_state import (
 )
 from artery.services.trainer.sequences import TrainingSequence, build_sequences, pad_batch, sft_sequences
 from artery.services.trainer.step import (
+    DataParallel,
     GroupPlan,
     OptimSettings,
     StepResult,
@@ -162,6 +163,8 @@ class Policy:
         self.base_model_path = base_model_path
         #: The policy version: train_step calls so far (each advances it, trained or not).
         self.step = 0
+        #: Set by ``distributed``: a GRPO step shared with other processes; None trains alone.
+        self.data_parallel: DataParallel | None = None
         self.named_trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not self.named_trainable:
             raise ValueError("the adapter has no trainable parameters (do the target modules exist?)")
@@ -382,7 +385,9 @@ class Policy:
         num_tokens = float(max(sum(trained_tokens(s) for s in sequences), 1))
         kl = config.kl_penalty_coef > 0.0
         loss_sum = ratio_sum = clip_sum = kl_sum = is_ratio_sum = is_truncated_sum = 0.0
-        for micro in chunks(sequences, self.optim.micro_batch_size):
+        parallel = self.data_parallel
+        local = sequences if parallel is None else parallel.shard(sequences)
+        for micro in chunks(local, self.optim.micro_batch_size):
             _stop_if_asked(self.optimizer, should_stop)
             batch = {k: v.to(self.device) for k, v in pad_batch(micro, self.pad_id).items()}
             logprobs = next_token_logprobs(model, batch, temperature)  # [B,T-1]
@@ -407,7 +412,7 @@ class Policy:
             )
             out.loss.backward()
             tokens = float(batch["assistant_mask"].sum())  # this micro-batch's share of the means
-            if is_cap is not None:
+            if is_cap is not None and sampler is not None:  # both set, or neither
                 is_mean, truncated = importance_stats(old, sampler, batch["assistant_mask"], is_cap)
                 is_ratio_sum += is_mean * tokens
                 is_truncated_sum += truncated * tokens
@@ -418,6 +423,14 @@ class Policy:
                 kl_sum += float(out.kl_mean) * tokens
         max_norm = config.max_grad_norm or self.optim.max_grad_norm
         params = [p for _, p in self.named_trainable]
+        if parallel is not None:  # every process then clips and steps the same gradient
+            parallel.sum_gradients(params)
+            sums = parallel.sum_values(
+                {"loss": loss_sum, "ratio": ratio_sum, "clip": clip_sum, "kl": kl_sum}
+                | {"is_ratio": is_ratio_sum, "is_truncated": is_truncated_sum}
+            )
+            loss_sum, ratio_sum, clip_sum, kl_sum = sums["loss"], sums["ratio"], sums["clip"], sums["kl"]
+            is_ratio_sum, is_truncated_sum = sums["is_ratio"], sums["is_truncated"]
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
         applied = math.isfinite(grad_norm)
         if applied:

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 from torch import Tensor
@@ -70,6 +70,20 @@ class Dropped:
     part_index: int | None = None
     reason: DropReason
     detail: str = ""
+
+
+class _Trajectory(TypedDict):
+    """Which trajectory a sequence, cut or drop comes from."""
+
+    group_index: int
+    trajectory_index: int
+
+
+class _Part(_Trajectory):
+    """Which part of which of its conversations."""
+
+    history_index: int
+    part_index: int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -122,7 +136,7 @@ def trajectory_sequences(
 ) -> tuple[list[TrainingSequence], list[Cut], list[Dropped], int]:
     """The sequences of one trajectory (its messages, then each additional history), its cuts,
     its drops, and how many sequences splitting conversations added."""
-    where = {"group_index": group_index, "trajectory_index": trajectory_index}
+    where = _Trajectory(group_index=group_index, trajectory_index=trajectory_index)
     if advantage == 0.0:
         return [], [], [Dropped(**where, history_index=None, reason="zero_advantage")], 0
     conversations = [(trajectory.messages, trajectory.tools)]
@@ -147,7 +161,7 @@ def trajectory_sequences(
             continue
         split += len(parts) - 1
         for part_index, full in enumerate(parts):
-            at = {**where, "history_index": history_index, "part_index": part_index}
+            at = _Part(**where, history_index=history_index, part_index=part_index)
             try:
                 tokens = fit_length(full, max_seq_len)
             except SequenceError as exc:

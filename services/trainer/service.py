@@ -35,7 +35,7 @@ import math
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -80,20 +80,17 @@ from artery.services.trainer.store import (
     stored_group_ids,
 )
 from artery.shared import subjects
-from artery.shared.bus import CONTENT_TYPE
-from artery.shared.codec import EventDecoder
 from artery.shared.consumer import ConsumerOptions, ConsumingService
 from artery.shared.control_client import PauseFailed, paused
 from artery.shared.db import ServicePool
 from artery.shared.errors import DependencyUnavailable, InvalidMessage
 from artery.shared.logs import get_logger
 from artery.shared.registry import read_record
-from artery.shared.tracing import continue_trace, extract_links, tracer
+from artery.shared.subscriber import Attributes, Delivery, Subscriber
 
 log = get_logger(__name__)
 SERVICE = "trainer"
 TRAINER_CONSUMER = "trainer"
-_decoder = EventDecoder(TrainRequest)
 
 
 @contextlib.asynccontextmanager
@@ -142,24 +139,34 @@ class Trainer(ConsumingService):
         # request, which would dead-letter it as poison in the end.
         self.db = ServicePool(dsn, max_size=2)
         self.policies = checkpoints.PolicyCache(settings)
-        self._tracer = tracer(SERVICE)
+        self.subscriber: Subscriber[TrainRequest] = Subscriber(
+            TrainRequest,
+            service=SERVICE,
+            span="trainer.step",
+            # NATS permissions scope an agent to its project's subjects: the payload must not
+            # name another project's model, or an agent could train (and pause) someone else's.
+            subject=lambda request: subjects.train("requested", request.project, request.model),
+            sent_as="requested",
+            check=check_finite_config,
+            attributes=step_attributes,
+            links=True,  # to every group's submission
+        )
         self.budget = StepBudget(settings, memory_limit_bytes(settings, settings.device))
         self.round_robin = RoundRobin()
         # Set by stop(): the step running in its thread gives up between micro-batches.
         self.stopping = threading.Event()
-        self.consumers = [
-            DeferringConsumer(
-                self.js,
-                service=SERVICE,
-                stream=subjects.TRAINING,
-                durable=TRAINER_CONSUMER,
-                filter_subject=subjects.train("requested", "*", "*"),
-                handler=self.handle_batch,
-                options=ConsumerOptions(
-                    batch_size=settings.schedule_window, ack_wait_s=settings.ack_wait_s, fetch_timeout_s=0.5
-                ),
-            )
-        ]
+        self.requests = DeferringConsumer(
+            self.js,
+            service=SERVICE,
+            stream=subjects.TRAINING,
+            durable=TRAINER_CONSUMER,
+            filter_subject=subjects.train("requested", "*", "*"),
+            handler=self.subscriber.batched(self.handle_batch, keep=_as_sent),
+            options=ConsumerOptions(
+                batch_size=settings.schedule_window, ack_wait_s=settings.ack_wait_s, fetch_timeout_s=0.5
+            ),
+        )
+        self.consumers = [self.requests]
 
     async def start(self) -> None:
         await self.db.open()
@@ -169,64 +176,44 @@ class Trainer(ConsumingService):
         self.stopping.set()
         super().stop()
 
-    async def handle_batch(self, msgs: Sequence[Msg]) -> list[BaseException | None]:
-        """Up to ``schedule_window`` pending requests: refuse the invalid ones, hand back those
-        still waiting for groups, run one of the ready ones (``schedule.py``), hand back the rest."""
-        outcomes: list[BaseException | None] = [None] * len(msgs)
-        ready: list[tuple[int, TrainRequest]] = []
+    async def handle_batch(self, items: list[tuple[TrainRequest, Delivery]]) -> list[BaseException | None]:
+        """Up to ``schedule_window`` pending requests, decoded and checked by the subscriber: hand
+        back those still waiting for groups, run one of the ready ones (``schedule.py``), hand
+        back the rest."""
+        outcomes: list[BaseException | None] = [None] * len(items)
+        ready: list[int] = []
         waiting: Counter[str] = Counter()  # per project, to spread its waiting requests out
-        for index, msg in enumerate(msgs):
+        for index, (request, ctx) in enumerate(items):
             try:
-                request = self._decode(msg)
-                if await self._waits_for_groups(msg, request):
-                    delay = recheck_delay(_age_s(msg), self.settings.group_wait_s, waiting[request.project])
+                if await self._waits_for_groups(ctx.msg, request):
+                    delay = recheck_delay(
+                        _age_s(ctx.msg), self.settings.group_wait_s, waiting[request.project]
+                    )
                     waiting[request.project] += 1
                     outcomes[index] = Deferred("groups not stored yet", delay)
                 else:
-                    ready.append((index, request))
+                    ready.append(index)
             except Exception as exc:  # this message's own outcome, whatever it is (errors.py)
                 outcomes[index] = exc
         if not ready:
             return outcomes
-        chosen = self.round_robin.pick([request.project for _, request in ready])
-        consumer = self.consumers[0]
+        chosen = self.round_robin.pick([items[index][0].project for index in ready])
+        consumer = self.requests
         handed_back: Counter[str] = Counter()
-        for position, (index, other) in enumerate(ready):
+        for position, index in enumerate(ready):
             if position != chosen:
+                other = items[index][0]
                 later = Later(handed_back[other.project])
                 handed_back[other.project] += 1
-                outcomes[index] = await consumer.settle_now(msgs[index], later)
-        for index, _ in enumerate(msgs):
-            if isinstance(outcomes[index], Deferred):
-                outcomes[index] = await consumer.settle_now(msgs[index], outcomes[index])
-        index, request = ready[chosen]
+                outcomes[index] = await consumer.settle_now(items[index][1].msg, later)
+        for index, outcome in enumerate(outcomes):
+            if isinstance(outcome, Deferred):
+                outcomes[index] = await consumer.settle_now(items[index][1].msg, outcome)
+        index = ready[chosen]
+        request, ctx = items[index]
         self.round_robin.served(request.project)
-        outcomes[index] = await self._run(msgs[index], request)
+        outcomes[index] = await self._run(request, ctx)
         return outcomes
-
-    def _decode(self, msg: Msg) -> TrainRequest:
-        request = _decoder.decode(msg.data, (msg.headers or {}).get(CONTENT_TYPE))
-        non_finite = [
-            name
-            for name, value in msgspec.structs.asdict(request.config).items()
-            if any(
-                isinstance(v, float) and not math.isfinite(v)
-                for v in (value if isinstance(value, list) else [value])
-            )
-        ]
-        if non_finite:  # msgpack carries NaN and infinities, which JSON Schema cannot forbid
-            raise InvalidMessage(
-                "non_finite", f"config {', '.join(non_finite)} must be finite", original_id=request.id
-            )
-        # NATS permissions scope an agent to its project's subjects: the payload must not
-        # name another project's model, or an agent could train (and pause) someone else's.
-        if msg.subject != subjects.train("requested", request.project, request.model):
-            raise InvalidMessage(
-                "subject_mismatch",
-                f"{request.project}/{request.model} requested on {msg.subject}",
-                original_id=request.id,
-            )
-        return request
 
     async def _waits_for_groups(self, msg: Msg, request: TrainRequest) -> bool:
         """Whether the request is to be handed back: some of its groups are not stored yet, it
@@ -242,27 +229,15 @@ class Trainer(ConsumingService):
             return False
         record = await self._model_record(request)  # an unknown model is dead-lettered at once
         try:
-            check_base_model(self.settings, record.project, record.base_model)
+            check_base_model(self.settings, record.project, base_model_of(record))
         except BaseModelRefused:
             return False  # handle() answers it at once
         return True
 
-    async def _run(self, msg: Msg, request: TrainRequest) -> BaseException | None:
+    async def _run(self, request: TrainRequest, ctx: Delivery) -> BaseException | None:
         try:
-            with continue_trace(
-                self._tracer,
-                "trainer.step",
-                msg.headers,
-                attributes={
-                    "artery.project": request.project,
-                    "artery.model": request.model,
-                    "artery.request_id": request.id,
-                    "artery.groups": len(request.group_ids),
-                    "artery.kind": "sft" if isinstance(request, TrainSFTRequested) else "grpo",
-                },
-                links=extract_links(msg.headers),
-            ):
-                async with keep_alive(msg, self.settings.ack_wait_s):
+            with self.subscriber.span(ctx, self.subscriber.attributes(request)):
+                async with keep_alive(ctx.msg, self.settings.ack_wait_s):
                     await self.handle(request)
             return None
         except (InvalidMessage, DependencyUnavailable) as exc:
@@ -293,7 +268,7 @@ class Trainer(ConsumingService):
             return await announce.complete(self.js, request, step, metrics)
         record = await self._model_record(request)
         try:
-            check_base_model(self.settings, record.project, record.base_model)
+            check_base_model(self.settings, record.project, base_model_of(record))
             check_group_count(self.settings, len(request.group_ids))
             groups = await self._stored_groups(request)
             check_trajectories(self.settings, groups)
@@ -472,13 +447,11 @@ class Trainer(ConsumingService):
             )
             return result, {}
         extra: dict[str, float] = {}
-        off_policy = is_off_policy(request)
-        if off_policy:  # samples older than the request allows are dropped, and counted
+        limit = staleness_limit(request)
+        off_policy = limit is not None
+        if limit is not None:  # samples older than the request allows are dropped, and counted
             groups, report = drop_stale(
-                groups,
-                model=request.model,
-                current_step=step,
-                max_steps_off_policy=request.max_steps_off_policy,
+                groups, model=request.model, current_step=step, max_steps_off_policy=limit
             )
             extra = report.metrics()
         result = await asyncio.to_thread(
@@ -507,13 +480,9 @@ class Trainer(ConsumingService):
                 chat_template_kwargs=template,
                 budget=self.budget,
             )
-        if is_off_policy(request):  # the groups _step will train on
-            groups, _ = drop_stale(
-                groups,
-                model=request.model,
-                current_step=step,
-                max_steps_off_policy=request.max_steps_off_policy,
-            )
+        limit = staleness_limit(request)
+        if limit is not None:  # the groups _step will train on
+            groups, _ = drop_stale(groups, model=request.model, current_step=step, max_steps_off_policy=limit)
         return await asyncio.to_thread(
             policy.prepare_step,
             groups,
@@ -524,9 +493,52 @@ class Trainer(ConsumingService):
         )
 
 
+def check_finite_config(request: TrainRequest) -> None:
+    """msgpack carries NaN and infinities, which JSON Schema cannot forbid: ``non_finite``."""
+    non_finite = [
+        name
+        for name, value in msgspec.structs.asdict(request.config).items()
+        if any(
+            isinstance(v, float) and not math.isfinite(v)
+            for v in (value if isinstance(value, list) else [value])
+        )
+    ]
+    if non_finite:
+        raise InvalidMessage(
+            "non_finite", f"config {', '.join(non_finite)} must be finite", original_id=request.id
+        )
+
+
+def step_attributes(request: TrainRequest) -> Attributes:
+    """The ``trainer.step`` span's attributes."""
+    return {
+        "artery.project": request.project,
+        "artery.model": request.model,
+        "artery.request_id": request.id,
+        "artery.groups": len(request.group_ids),
+        "artery.kind": "sft" if isinstance(request, TrainSFTRequested) else "grpo",
+    }
+
+
+def _as_sent(request: TrainRequest, ctx: Delivery) -> TrainRequest:
+    return request
+
+
+def base_model_of(record: ModelRecord) -> str:
+    """The base model of a record ``Trainer._model_record`` let through (it refuses one without)."""
+    if not record.base_model:
+        raise ValueError(f"a record of project {record.project} has no base model")
+    return record.base_model
+
+
+def staleness_limit(request: TrainRequest) -> int | None:
+    """How many steps off-policy the request's samples may be; None for a synchronous step."""
+    return request.max_steps_off_policy if isinstance(request, TrainRequested) else None
+
+
 def is_off_policy(request: TrainRequest) -> bool:
     """Asynchronous mode: the GRPO request names how stale its samples may be."""
-    return isinstance(request, TrainRequested) and request.max_steps_off_policy is not None
+    return staleness_limit(request) is not None
 
 
 def model_dir(settings: TrainerSettings, project: str, model: str) -> Path:

@@ -40,6 +40,14 @@ class TrainerSettings(msgspec.Struct, kw_only=True, frozen=True):
         float,
         doc("silence before a request is redelivered (a running step renews it: crashes show soon)", gt=0),
     ] = 60.0
+    world_size: Annotated[
+        int,
+        doc(
+            "processes one GRPO step runs data-parallel over (torch.distributed: gloo on cpu, nccl on"
+            " cuda) when launched through the distributed step's entry point; the service trains in one",
+            ge=1,
+        ),
+    ] = 1
     torch_threads: Annotated[
         int,
         doc("CPU threads torch may use (0: torch's default, every core); set it when sharing cores", ge=0),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -49,6 +50,23 @@ class StepResult:
     #: or ``non_finite_gradient``; None when trained.
     skip_reason: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+class DataParallel(Protocol):
+    """How the processes of one data-parallel step share an optimizer step (``distributed``): each
+    trains its shard with the whole step's normalisers, so summed gradients are the step's."""
+
+    def shard(self, sequences: list[TrainingSequence]) -> list[TrainingSequence]:
+        """This process's share of an optimizer step's sequences."""
+        ...
+
+    def sum_gradients(self, params: list[Tensor]) -> None:
+        """Replace every parameter's gradient by its sum over the processes."""
+        ...
+
+    def sum_values(self, values: dict[str, float]) -> dict[str, float]:
+        """Each value summed over the processes."""
+        ...
 
 
 @dataclass(frozen=True, kw_only=True)

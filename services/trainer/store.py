@@ -8,9 +8,7 @@ from collections.abc import Sequence
 import asyncpg
 import msgspec
 
-from artery.schemas import Trajectory
-
-_trajectory = msgspec.json.Decoder(Trajectory)
+from artery.shared.stored_groups import trained_groups
 
 
 async def stored_group_ids(
@@ -43,52 +41,8 @@ async def stored_bytes(conn: asyncpg.Connection, project: str, model: str, group
     return int(total)
 
 
-async def load_groups(
-    conn: asyncpg.Connection, project: str, model: str, group_ids: Sequence[str]
-) -> list[list[Trajectory]]:
-    """The groups' trajectories, in the order of ``group_ids`` and of their index in each group.
-
-    A judged group's rewards are the reward service's (the agent's own is kept in
-    ``metrics["independent_reward"]``, the judge's in ``metrics["ruler_score"]``, as ART's RULER
-    does); a group the judge could not score is left out.
-    """
-    unscored = {
-        r["group_id"]
-        for r in await conn.fetch(
-            "SELECT group_id FROM group_rewards WHERE group_id = ANY($1::text[])"
-            " AND project = $2 AND model = $3 AND error IS NOT NULL",
-            list(group_ids),
-            project,
-            model,
-        )
-    }
-    rows = await conn.fetch(
-        "SELECT t.group_id, t.idx, t.body::text AS body, r.reward AS judged, r.judge_score,"
-        " r.independent_reward FROM trajectories t"
-        " LEFT JOIN trajectory_rewards r ON r.project = t.project AND r.model = t.model"
-        " AND r.group_id = t.group_id AND r.idx = t.idx"
-        " WHERE t.project = $2 AND t.model = $3 AND t.group_id = ANY($1::text[])"
-        " ORDER BY t.group_id, t.idx",
-        list(group_ids),
-        project,
-        model,
-    )
-    by_group: dict[str, list[Trajectory]] = {gid: [] for gid in group_ids if gid not in unscored}
-    found = {row["group_id"] for row in rows}
-    by_group = {gid: ts for gid, ts in by_group.items() if gid in found}  # another model's: left out
-    for row in rows:
-        if row["group_id"] in unscored:
-            continue
-        trajectory = _trajectory.decode(row["body"])
-        if row["judged"] is not None:
-            trajectory.metrics = {
-                **trajectory.metrics,
-                "independent_reward": row["independent_reward"],
-                "ruler_score": row["judge_score"],
-            }
-            trajectory.reward = row["judged"]
-        by_group[row["group_id"]].append(trajectory)
-    return [by_group[gid] for gid in group_ids if gid in by_group]
+#: The groups to train on, in the request's order: the read model replay shares (``shared.stored_groups``).
+load_groups = trained_groups
 
 
 async def completed_step(

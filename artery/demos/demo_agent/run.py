@@ -96,11 +96,14 @@ async def run(args: argparse.Namespace) -> dict:
             return group
         name, extra = judge_params(args)
         try:
-            return await art.rewards.ruler_score_group(group, name, extra_litellm_params=extra, rubric=RUBRIC)
+            scored = await art.rewards.ruler_score_group(
+                group, name, extra_litellm_params=extra, rubric=RUBRIC
+            )
         except Exception as exc:  # the judge's answer unusable twice, or the call failed
             judge_failures += 1
             tqdm.write(f"the judge could not score a group (its own rewards kept): {str(exc)[:200]!r}")
             return group
+        return group if scored is None else scored  # None only when asked to swallow exceptions
 
     curve: list[dict] = []
     held_out: list[dict] = []
@@ -158,7 +161,12 @@ async def run(args: argparse.Namespace) -> dict:
         final = await model.get_step()
         held_out.append(
             await evaluate(
-                episode, held_out_items, args.eval_samples, f"{model.name}@{final}", final, args.temperature
+                episode,
+                held_out_items,
+                args.eval_samples,
+                model.get_inference_name(final),
+                final,
+                args.temperature,
             )
         )
     finally:

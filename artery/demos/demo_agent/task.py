@@ -32,6 +32,7 @@ import math
 import operator
 import random
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,7 +52,7 @@ TOOLS: list[dict[str, Any]] = [
     }
 ]
 
-_OPERATORS = {
+_OPERATORS: dict[type[ast.AST], Callable[..., float]] = {
     ast.Add: operator.add,
     ast.Sub: operator.sub,
     ast.Mult: operator.mul,
@@ -65,8 +66,9 @@ def calculate(expression: str) -> float:
     """``+ - * /`` and parentheses on numbers; anything else is a ValueError (no ``eval``)."""
 
     def value(node: ast.AST) -> float:
-        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-            return node.value
+        number = node.value if isinstance(node, ast.Constant) else None
+        if isinstance(number, int | float) and not isinstance(number, bool):  # True is no operand
+            return number
         if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
             return _OPERATORS[type(node.op)](value(node.left), value(node.right))
         if isinstance(node, ast.UnaryOp) and type(node.op) in _OPERATORS:

@@ -8,7 +8,7 @@ about HTTP or chat formats. Engines: ``transformers`` (in-process, CPU or GPU; t
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -81,8 +81,9 @@ class Engine(Protocol):
 
     async def start(self) -> None: ...
 
-    async def stream(self, request: GenerationRequest) -> AsyncIterator[TokenStep]:
-        """Yield tokens of all ``n`` completions as they are sampled, until each one finishes."""
+    def stream(self, request: GenerationRequest) -> AsyncGenerator[TokenStep, None]:
+        """Yield tokens of all ``n`` completions as they are sampled, until each one finishes
+        (an ``async def`` with ``yield``: calling it starts nothing until it is iterated)."""
         ...
 
     async def generate(self, request: GenerationRequest) -> list[Completion]:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import CacheLayerMixin, DynamicLayer
 
 from artery.services.inference.engine.base import EngineError, FinishReason, SamplingParams, TokenStep
 from artery.services.inference.engine.sampling import processed_logprobs, sample_tokens, top_alternatives
@@ -127,7 +127,7 @@ def _prefill(rows: list[Row], ctx: DecodeContext) -> _Batch:
     )
     ctx.stats.forward_passes += 1
     pick = torch.tensor(source, device=ctx.device)  # [B]: which prompt each row continues
-    cache.reorder_cache(pick)
+    cache.reorder_cache(pick)  # type: ignore[arg-type]  # annotated LongTensor, which no tensor is statically
     return _Batch(list(rows), cache, mask[pick], positions[pick, -1], out.logits[pick, -1, :])
 
 
@@ -170,7 +170,7 @@ def _retain(batch: _Batch, keep: list[int], tokens: torch.Tensor) -> torch.Tenso
     if len(keep) == len(batch.rows):
         return tokens
     index = torch.tensor(keep, device=tokens.device)
-    batch.cache.reorder_cache(index)
+    batch.cache.reorder_cache(index)  # type: ignore[arg-type]  # annotated LongTensor: see _prefill
     batch.rows = [batch.rows[i] for i in keep]
     batch.mask, batch.last_pos = batch.mask[index], batch.last_pos[index]
     _trim(batch)
@@ -188,6 +188,8 @@ def _trim(batch: _Batch) -> None:
         return
     batch.mask = batch.mask[:, first:]
     for layer in batch.cache.layers:
+        # Every layer of a cache decoded here holds keys and values (a DynamicCache, filled).
+        assert isinstance(layer, CacheLayerMixin) and layer.keys is not None and layer.values is not None
         layer.keys, layer.values = layer.keys[..., first:, :], layer.values[..., first:, :]
 
 
@@ -229,6 +231,9 @@ def _join(batch: _Batch, joining: _Batch) -> None:
     """
     width = max(batch.mask.shape[-1], joining.mask.shape[-1])
     for mine, theirs in zip(batch.cache.layers, joining.cache.layers, strict=True):
+        assert isinstance(mine, DynamicLayer) and isinstance(theirs, DynamicLayer)  # ``_joinable``
+        assert mine.keys is not None and mine.values is not None
+        assert theirs.keys is not None and theirs.values is not None
         mine.keys = torch.cat([_pad_left(mine.keys, width, -2), _pad_left(theirs.keys, width, -2)])
         mine.values = torch.cat([_pad_left(mine.values, width, -2), _pad_left(theirs.values, width, -2)])
     batch.mask = torch.cat([_pad_left(batch.mask, width, -1), _pad_left(joining.mask, width, -1)])

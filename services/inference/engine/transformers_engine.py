@@ -136,7 +136,8 @@ class TransformersEngine:
         model = AutoModelForCausalLM.from_pretrained(
             warm.base_path() if warm else self.model_path, dtype=dtype
         )
-        model.to(self._device).eval()
+        # transformers types ``to`` as functools.wraps(Module.to), which mypy reads unbound.
+        model.to(self._device).eval()  # type: ignore[arg-type]
         self._lora = LoraSet(model, warm.adapter_dir if warm else None)
         config = model.config
         self.max_context = self._max_context_arg or int(config.max_position_embeddings)
@@ -170,12 +171,19 @@ class TransformersEngine:
     async def wake(self) -> None:
         async with self._between_batches():
             if self._sleeping:
-                await self._on_model_thread(lambda: self._lora.model.to(self._device))
+                lora, device = self._started()
+                await self._on_model_thread(lambda: lora.model.to(device))
                 self._sleeping = False
         self._awake.set()
 
+    def _started(self) -> tuple[LoraSet, torch.device]:
+        """The model (with its adapters) and its device, once ``start`` has loaded them."""
+        if self._lora is None or self._device is None:
+            raise EngineError("engine not started")
+        return self._lora, self._device
+
     def _to_cpu(self) -> None:
-        self._lora.model.to("cpu")
+        self._started()[0].model.to("cpu")
         # cuBLAS keeps a workspace per handle in the caching allocator (33 MiB seen on an H100),
         # which empty_cache alone leaves allocated; it is recreated at the next matrix product.
         clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
@@ -187,11 +195,11 @@ class TransformersEngine:
 
     async def load_adapter(self, name: str, path: Path) -> None:
         async with self._between_batches():
-            await self._on_model_thread(self._lora.load, name, Path(path))
+            await self._on_model_thread(self._started()[0].load, name, Path(path))
 
     async def unload_adapter(self, name: str) -> None:
         async with self._between_batches():
-            await self._on_model_thread(self._lora.unload, name)
+            await self._on_model_thread(self._started()[0].unload, name)
 
     @contextlib.asynccontextmanager
     async def _between_batches(self) -> AsyncIterator[None]:
@@ -373,11 +381,12 @@ class TransformersEngine:
         """On the model thread: decode one batch, sending tokens to each request as they come."""
         adapter = batch[0].request.adapter
         rows = [row for job in batch for row in self._rows(job)]
-        with torch.inference_mode(), self._lora.active(adapter) as model:
+        lora, device = self._started()
+        with torch.inference_mode(), lora.active(adapter) as model:
             ctx = DecodeContext(
                 model,
                 self._thread_tokenizer,
-                self._device,
+                device,
                 self._eos_ids,
                 self._pad_id,
                 self._emit,

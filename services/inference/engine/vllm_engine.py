@@ -86,12 +86,12 @@ class VLLMEngine:
             enable_sleep_mode=enable_sleep_mode,
         )
         self._extra_args = dict(engine_args or {})
-        self._engine = None
+        self._engine: Any = None  # vLLM's AsyncLLM, once started (vLLM is optional: no types)
         self._loras: dict[str, Any] = {}  # served name -> LoRARequest
         self._lora_ids = itertools.count(1)
         self._can_sleep = False
         self._sleeping = False
-        self.tokenizer = None
+        self.tokenizer: Any = None  # a Hugging Face tokenizer, once started
         self.max_context = max_context or 0
 
     def engine_args(self) -> dict[str, Any]:

@@ -1,0 +1,132 @@
+"""One model's GRPO step data-parallel over processes (torch.distributed, gloo): two processes
+launched by torchrun give the adapter, optimizer state and metrics of the single-process step."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from artery.schemas import Message, Sample, TrainConfig, Trajectory
+from artery.services.trainer.distributed import DistributedStep, ProcessGroupParallel, launch
+from artery.services.trainer.policy import OptimSettings, Policy
+from artery.shared.tiny_model import tiny_model_path
+
+MAX_SEQ_LEN = 256
+PROMPT = [{"role": "user", "content": "Say something."}]
+#: Sums taken in another order (per shard, then over processes) differ in the last bits.
+ATOL = 1e-5
+#: The NCCL path needs one GPU per process.
+CUDA_PAIR = os.environ.get("ARTERY_TEST_CUDA") == "1" and torch.cuda.device_count() >= 2
+
+
+@pytest.fixture(autouse=True)
+def _quiet_single_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PEFT's and transformers' advice about tiny models
+        yield
+    torch.set_num_threads(threads)
+
+
+def answer(policy: Policy, text: str, reward: float) -> Trajectory:
+    """An assistant answer as the engine records it, with the logprobs the policy gives it now."""
+    prompt = list(policy.tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, return_dict=False))
+    ids = [*policy.tokenizer.encode(text, add_special_tokens=False), policy.tokenizer.eos_token_id]
+    with torch.no_grad():
+        inputs = torch.tensor([prompt + ids], device=policy.device)
+        logits = policy.model(input_ids=inputs).logits[0, len(prompt) - 1 : -1]  # [n, V]
+    picked = torch.tensor(ids, device=policy.device)[:, None]  # [n, 1]
+    logprobs = torch.log_softmax(logits.float(), -1).gather(-1, picked).squeeze(-1)  # [n]
+    sample = Sample(token_ids=ids, logprobs=logprobs.tolist(), finish_reason="stop")
+    return Trajectory(
+        messages=[
+            Message(role="user", content=PROMPT[0]["content"]),
+            Message(role="assistant", content=text, sample=sample),
+        ],
+        reward=reward,
+    )
+
+
+def scored_groups(policy: Policy) -> list[list[Trajectory]]:
+    """Seven answers of different lengths in two groups: shards of unequal size and token count."""
+    return [
+        [answer(policy, "bad cafe", 1.0), answer(policy, "the water is cold tonight", 0.0)],
+        [
+            answer(policy, "yes", 0.2),
+            answer(policy, "a big red car on the road", 0.9),
+            answer(policy, "no", 0.2),
+            answer(policy, "one two three four five six", 0.7),
+            answer(policy, "maybe later", 0.5),
+        ],
+    ]
+
+
+def test_distributed_shards_split_each_step_once():
+    sequences = list(range(7))
+    shards = [ProcessGroupParallel(rank, 3).shard(sequences) for rank in range(3)]
+    assert sorted(s for shard in shards for s in shard) == sequences
+    assert [len(shard) for shard in shards] == [3, 2, 2]
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        TrainConfig(learning_rate=1e-2),  # cispo: normalised by the step's trained tokens
+        # grpo: per sequence; two optimizer steps of 4 and 3 sequences; the KL term to the base
+        TrainConfig(learning_rate=1e-2, loss_fn="grpo", grad_accumulation_sequences=4, kl_penalty_coef=0.1),
+    ],
+    ids=["cispo", "grpo-accumulated-kl"],
+)
+def test_distributed_gloo_step_equals_single_process(tmp_path, config):
+    check_step_equality(tmp_path, config, device="cpu", atol=ATOL)
+
+
+@pytest.mark.skipif(not CUDA_PAIR, reason="opt-in: ARTERY_TEST_CUDA=1 and two CUDA GPUs")
+def test_distributed_nccl_step_equals_single_process(tmp_path):
+    # float32 on both sides; cuBLAS's reductions are not bitwise stable, hence the looser bound.
+    check_step_equality(tmp_path, TrainConfig(learning_rate=1e-2), device="cuda", atol=1e-4)
+
+
+def check_step_equality(tmp_path, config: TrainConfig, *, device: str, atol: float) -> None:
+    model = tiny_model_path()
+    optim = OptimSettings(micro_batch_size=2)
+    single = Policy.create(model, optim=optim, seed=0, device=device, dtype="float32")
+    groups = scored_groups(single)
+    expected = single.train_step(groups, config, max_seq_len=MAX_SEQ_LEN)
+    single.save(tmp_path / "single")
+
+    step = DistributedStep(
+        base_model=str(model),
+        groups=groups,
+        config=config,
+        max_seq_len=MAX_SEQ_LEN,
+        output_dir=str(tmp_path / "parallel"),
+        micro_batch_size=2,
+        device=device,
+        dtype="float32",
+        seed=0,
+        torch_threads=1,
+    )
+    result = launch(step, 2, spec_path=tmp_path / "step.json")
+
+    assert expected.trained and result.trained and result.step == expected.step == 1
+    one = load_file(tmp_path / "single" / "adapter" / "adapter_model.safetensors")
+    two = load_file(tmp_path / "parallel" / "adapter" / "adapter_model.safetensors")
+    assert one.keys() == two.keys()
+    # LoRA B starts at zero: the step moved it, so the equality below is not that of two no-ops.
+    assert max(float(one[k].abs().max()) for k in one if "lora_B" in k) > 1e-4
+    for name in one:
+        torch.testing.assert_close(two[name], one[name], atol=atol, rtol=0)
+    moments_one = load_file(tmp_path / "single" / "optimizer.safetensors")
+    moments_two = load_file(tmp_path / "parallel" / "optimizer.safetensors")
+    for name in moments_one:
+        torch.testing.assert_close(moments_two[name], moments_one[name], atol=atol, rtol=1e-4)
+    for key in ("loss", "grad_norm", "ratio_mean", "clip_fraction", "tokens_trained", "optimizer_steps"):
+        assert result.metrics[key] == pytest.approx(expected.metrics[key], abs=1e-5, rel=1e-4), key
+    if config.kl_penalty_coef:
+        assert result.metrics["kl_mean"] == pytest.approx(expected.metrics["kl_mean"], abs=1e-6, rel=1e-4)
