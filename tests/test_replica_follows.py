@@ -249,3 +249,23 @@ async def until(condition) -> None:
         return condition()
 
     await wait_for(check)
+
+
+async def test_a_replica_started_after_a_step_is_caught_up_before_it_says_ready(
+    nc, js, database_url, tmp_path
+):
+    """What ``main`` waits on before the ``ready`` line: the step published before the replica
+    started is loaded, so a client routed to the new replica at once finds it served."""
+    engine = SlowEngine()
+    published = await nc.subscribe(subjects.checkpoint("published", PROJECT, MODEL))
+    async with publishing(nc, database_url, keep_latest=10):
+        await save(js, tmp_path, 1)
+        await published.next_msg(timeout=30)
+        watcher = CheckpointWatcher(js, PROJECT, MODEL, engine, lambda step, name: None, cache_dir=tmp_path)
+        async with following(watcher):
+            assert watcher.newest_step == 1  # read by the first catch-up, inside start()
+            assert not await watcher.caught_up(0.2)  # the engine holds the load: not yet
+            engine.finish_loads.set()
+            assert await watcher.caught_up(30)
+            assert engine.adapters() == [f"{MODEL}@1"]
+            assert f"{MODEL}@1" in watcher.loaded

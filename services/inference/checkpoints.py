@@ -163,6 +163,8 @@ class CheckpointWatcher:
         self._fetching: tuple[int, asyncio.Task] | None = None
         self._behind_since: float | None = None
         self._wake = asyncio.Event()
+        #: Set after each round of the loop: what ``caught_up`` waits on.
+        self._progressed = asyncio.Event()
         self._stopping = asyncio.Event()
         self._subs: list = []
         self._tasks: list[asyncio.Task] = []
@@ -333,6 +335,24 @@ class CheckpointWatcher:
             deletions, self._deletions = self._deletions, {}
             for step, deletion in sorted(deletions.items()):
                 await self._handle(deletion, "inference.unload_adapter", self._unload(step, deletion.event))
+            self._progressed.set()
+
+    async def caught_up(self, timeout_s: float) -> bool:
+        """Until the newest step known now is dealt with (loaded, refused or deleted); False if
+        ``timeout_s`` passed first. A replica that says it is ready serves what was published
+        before it started: a client routed to it right away must not find the newest step missing."""
+        target = self.newest_step
+        deadline = self._clock() + timeout_s
+        while target is not None and target not in self._settled and target not in self._gone:
+            remaining = deadline - self._clock()
+            if remaining <= 0 or self._stopping.is_set():
+                return False
+            self._progressed.clear()  # no await since the check: no round can finish unseen
+            try:
+                await asyncio.wait_for(self._progressed.wait(), remaining)
+            except TimeoutError:
+                return False
+        return True
 
     def _loaded_already(self, step: int, event: CheckpointPublished | CheckpointSaved) -> bool:
         """A published step whose bytes were loaded from the trainer's file: settled, no second load."""

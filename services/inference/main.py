@@ -27,6 +27,10 @@ from artery.shared.settings import CommonSettings, load
 
 log = get_logger(__name__)
 
+#: How long a starting replica waits for the newest published adapter before it says ready
+#: anyway (the base model and the steps it has loaded are still worth serving; the lag shows).
+CATCH_UP_BEFORE_READY_S = 120.0
+
 
 def make_engine(settings: InferenceSettings):
     model_path = resolve_base_model(settings.base_model)
@@ -113,6 +117,12 @@ async def start(common: CommonSettings, stop: asyncio.Event) -> None:
         on_change=registry.beat,
     )
     await watcher.start()
+    if not await watcher.caught_up(CATCH_UP_BEFORE_READY_S):
+        log.warning(
+            "the newest checkpoint is not loaded yet; ready with what is served",
+            newest_step=watcher.newest_step,
+            served=sorted(watcher.loaded),
+        )
     await control.start()
     await registry.start()
     log.info("ready", url=url, replica_id=settings.replica_id, engine=engine.kind)
