@@ -84,6 +84,9 @@ REPLICA_TTL_S = 30.0
 #: How long a judge's verdict is kept in its bucket: far longer than any PostgreSQL outage or
 #: redelivery, after which the row in PostgreSQL is the record.
 VERDICT_TTL_S = 7 * 24 * 3600.0
+#: How long a trainer worker's hold on a model lasts unless renewed: a worker renews it while it
+#: trains, so this is how long a worker that died keeps others from resuming its models.
+TRAINER_LEASE_TTL_S = 30.0
 
 
 async def connect(settings: CommonSettings, name: str, **options) -> nats.NATS:
@@ -148,13 +151,13 @@ async def provision(js: JetStreamContext, settings: CommonSettings) -> None:
             await js.update_stream(config)
     for bucket in kv_buckets(settings):
         await _ensure_kv(js, bucket)
-    try:
-        await js.object_store(subjects.ADAPTERS_BUCKET)
-    except (NotFoundError, Exception):
-        await js.create_object_store(
-            subjects.ADAPTERS_BUCKET,
-            ObjectStoreConfig(storage=StorageType.FILE, replicas=settings.stream_replicas),
-        )
+    for store in (subjects.ADAPTERS_BUCKET, subjects.TRAINER_STATE_BUCKET):
+        try:
+            await js.object_store(store)
+        except (NotFoundError, Exception):
+            await js.create_object_store(
+                store, ObjectStoreConfig(storage=StorageType.FILE, replicas=settings.stream_replicas)
+            )
 
 
 def kv_buckets(settings: CommonSettings) -> list[KeyValueConfig]:
@@ -166,6 +169,13 @@ def kv_buckets(settings: CommonSettings) -> list[KeyValueConfig]:
         KeyValueConfig(bucket=subjects.REPLICAS_BUCKET, history=1, ttl=REPLICA_TTL_S, replicas=replicas),
         KeyValueConfig(
             bucket=subjects.VERDICTS_BUCKET, history=1, ttl=VERDICT_TTL_S, replicas=replicas, direct=True
+        ),
+        KeyValueConfig(
+            bucket=subjects.TRAINER_LEASES_BUCKET,
+            history=1,
+            ttl=TRAINER_LEASE_TTL_S,
+            replicas=replicas,
+            direct=True,
         ),
     ]
 

@@ -123,7 +123,9 @@ def _provisioned() -> list[str]:
         kv_stream(subjects.MODELS_BUCKET),
         kv_stream(subjects.REPLICAS_BUCKET),
         kv_stream(subjects.VERDICTS_BUCKET),
+        kv_stream(subjects.TRAINER_LEASES_BUCKET),
         _obj_stream(subjects.ADAPTERS_BUCKET),
+        _obj_stream(subjects.TRAINER_STATE_BUCKET),
     ]
 
 
@@ -255,10 +257,14 @@ def permissions(role: str, user: str, *, project: str | None = None) -> Permissi
         raise ValueError(f"unknown role {role!r}; one of {', '.join(ROLES)}")
     inbox = f"{inbox_prefix(user)}.>"
     models, replicas, adapters = subjects.MODELS_BUCKET, subjects.REPLICAS_BUCKET, subjects.ADAPTERS_BUCKET
-    # Nobody but the trainer pauses inference; nobody but the publisher writes adapters.
+    state, leases = subjects.TRAINER_STATE_BUCKET, subjects.TRAINER_LEASES_BUCKET
+    # Nobody but the trainer pauses inference or writes what it trained (and holds models);
+    # nobody but the publisher writes adapters.
     deny = [_control_inference()] if role != "trainer" else []
     if role != "publisher":
         deny.append(f"$O.{adapters}.>")
+    if role != "trainer":
+        deny += [f"$O.{state}.>", f"$KV.{leases}.>"]
     deny += _protect_durables(role if role in DURABLES else None)
     if role == "admin":
         # Provisioning and operations: the whole JetStream API, reading everything, asking every
@@ -326,11 +332,18 @@ def permissions(role: str, user: str, *, project: str | None = None) -> Permissi
             *_kv_read(models),
             *_kv_write(models),  # advances each model's step
             *_kv_scan(replicas),  # whom to wait for when pausing
+            # Each step's adapter and optimizer state, which any worker of the pool resumes from,
+            # and the lease that keeps a model's steps on one worker at a time.
+            *_object_read(state),
+            *_object_write(state),
+            *_kv_read(leases),
+            *_kv_write(leases),
         ]
     elif role == "publisher":
         publish += [
             subjects.checkpoint("published", "*", "*"),
             subjects.checkpoint("deleted", "*", "*"),
+            *_object_read(state),  # the adapter a trainer saved, from whichever host it runs on
             *_object_read(adapters),
             *_object_write(adapters),
             *_kv_read(models),

@@ -75,6 +75,13 @@ REWARD_CONSUMER = "reward"
 MODELS_BUCKET = "artery_models"  # key <project>.<model>: registration and current step
 REPLICAS_BUCKET = "artery_replicas"  # key <project>.<model>.<replica id>: heartbeat (entries expire)
 ADAPTERS_BUCKET = "artery_adapters"  # object store: LoRA adapters
+#: object store: each trained step as the trainer saved it (adapter and optimizer state), written by
+#: trainers only; the publisher takes the adapter from here, and any trainer worker resumes from it
+#: (no disk shared between services: services.trainer, services.publisher)
+TRAINER_STATE_BUCKET = "artery_trainer_state"
+#: key <project>.<model>: the trainer worker that holds the model's steps; entries expire, so a
+#: worker that died frees its models (services.trainer)
+TRAINER_LEASES_BUCKET = "artery_trainer_leases"
 #: key <project>.<model>.<digest of the group id>: a judge's verdict, kept from the moment it is paid
 #: for until PostgreSQL has it (services.reward.verdicts)
 VERDICTS_BUCKET = "artery_verdicts"
