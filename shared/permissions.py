@@ -363,13 +363,16 @@ def permissions(role: str, user: str, *, project: str | None = None) -> Permissi
             # An adapter's metadata and chunks, message by message (``adapters.read_adapter``):
             # no consumer, so none is left behind when retention deletes the object mid-read.
             f"{JS_API}.STREAM.MSG.GET.{_obj_stream(adapters)}",
+            # The same, for a step as the trainer saved it, before the publisher has copied it
+            # (``load_saved_adapters``): from the trainers' store, wherever they run.
+            f"{JS_API}.STREAM.MSG.GET.{_obj_stream(state)}",
             *_kv_write(replicas),  # its heartbeat
         ]
         subscribe += [
             subjects.control("pause", "*", "*"),
             subjects.control("resume", "*", "*"),
             published,  # followed live (services.inference.checkpoints)
-            # The trainer's file as soon as it is saved, where the replica can read it (same machine).
+            # A step as soon as the trainer saved it (read from the trainers' store).
             subjects.checkpoint("saved", "*", "*"),
             subjects.checkpoint("deleted", "*", "*"),
         ]  # and answers pause and resume on the requester's inbox only
