@@ -5,5 +5,6 @@ processes; it is the same class as ``artery.LocalBackend``.
 """
 
 from artery.local.backend import LocalBackend
+from artery.local.train_result import LocalTrainResult
 
-__all__ = ["LocalBackend"]
+__all__ = ["LocalBackend", "LocalTrainResult"]
