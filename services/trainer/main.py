@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 
 import msgspec
+import structlog
 
 from artery.services.trainer.base_models import ANY, EMBEDDED
-from artery.services.trainer.settings import PREFIX, TrainerSettings
+from artery.services.trainer.settings import PREFIX, TrainerSettings, worker_id
 from artery.shared.auth import nats_connect_options
 from artery.shared.models import limit_torch_threads
 from artery.shared.runtime import run_service
@@ -25,16 +25,24 @@ async def start(common: CommonSettings, stop: asyncio.Event) -> None:
         settings = msgspec.structs.replace(settings, base_models=allowed)
     limit_torch_threads(settings.torch_threads)
     # The settings are valid: now the training stack (torch, transformers) may load.
+    from artery.services.trainer.lease import Holder
     from artery.services.trainer.service import Trainer
 
-    trainer_id = f"trainer-{socket.gethostname()}-{os.getpid()}"
+    # What this process's NATS service ping answers with (shared.runtime): how the pool tells
+    # whether the holder of a model's lease still runs.
+    holder = Holder(
+        worker=worker_id(settings),
+        pid=str(os.getpid()),
+        metrics_url=structlog.contextvars.get_contextvars().get("metrics_url") or "",
+    )
     await serve_consumers(
         "trainer",
         common,
         stop,
-        lambda nc, dsn: Trainer(nc, dsn, settings, trainer_id=trainer_id),
+        lambda nc, dsn: Trainer(nc, dsn, settings, holder=holder),
         checkpoint_dir=settings.checkpoint_dir,
         device=settings.device,
+        worker_id=holder.worker,
     )
 
 

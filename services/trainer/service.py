@@ -62,6 +62,7 @@ from artery.services.trainer.budgets import (
     check_trajectories,
     memory_limit_bytes,
 )
+from artery.services.trainer.lease import Holder, LeaseLost, Leases, ModelLease
 from artery.services.trainer.policy import StepCancelled
 from artery.services.trainer.schedule import (
     Deferred,
@@ -70,7 +71,7 @@ from artery.services.trainer.schedule import (
     RoundRobin,
     recheck_delay,
 )
-from artery.services.trainer.settings import TrainerSettings
+from artery.services.trainer.settings import TrainerSettings, worker_id
 from artery.services.trainer.staleness import drop_stale
 from artery.services.trainer.store import (
     completed_step,
@@ -91,6 +92,10 @@ from artery.shared.subscriber import Attributes, Delivery, Subscriber
 log = get_logger(__name__)
 SERVICE = "trainer"
 TRAINER_CONSUMER = "trainer"
+#: A request whose model another worker of the pool is training is looked at again this soon.
+LEASED_RECHECK_S = 0.5
+#: A request this worker cannot train (it lacks the model's newest step) is offered again this soon.
+STALE_RECHECK_S = 2.0
 
 
 @contextlib.asynccontextmanager
@@ -130,11 +135,14 @@ REFUSED = (ValueError, OSError, RuntimeError)
 
 
 class Trainer(ConsumingService):
-    def __init__(self, nc: nats.NATS, dsn: str, settings: TrainerSettings, *, trainer_id: str = SERVICE):
+    def __init__(self, nc: nats.NATS, dsn: str, settings: TrainerSettings, *, holder: Holder | None = None):
         self.nc = nc
         self.js = nc.jetstream()
         self.settings = settings
-        self.trainer_id = trainer_id
+        # This worker in the pool: what its models' leases name (and its pauses).
+        self.holder = holder or Holder(worker=worker_id(settings))
+        self.trainer_id = self.holder.worker
+        self.leases = Leases(nc, self.holder)
         # Opened at start; an outage later is waited out (nak, back off), never a failure of the
         # request, which would dead-letter it as poison in the end.
         self.db = ServicePool(dsn, max_size=2)
@@ -178,8 +186,9 @@ class Trainer(ConsumingService):
 
     async def handle_batch(self, items: list[tuple[TrainRequest, Delivery]]) -> list[BaseException | None]:
         """Up to ``schedule_window`` pending requests, decoded and checked by the subscriber: hand
-        back those still waiting for groups, run one of the ready ones (``schedule.py``), hand
-        back the rest."""
+        back those still waiting for groups, run one of the ready ones (``schedule.py``) whose
+        model this worker can lease (``lease.py``), hand back the rest: those of models another
+        worker holds come back after ``LEASED_RECHECK_S``."""
         outcomes: list[BaseException | None] = [None] * len(items)
         ready: list[int] = []
         waiting: Counter[str] = Counter()  # per project, to spread its waiting requests out
@@ -197,11 +206,11 @@ class Trainer(ConsumingService):
                 outcomes[index] = exc
         if not ready:
             return outcomes
-        chosen = self.round_robin.pick([items[index][0].project for index in ready])
+        chosen, lease = await self._lease_one(items, ready, outcomes)
         consumer = self.requests
         handed_back: Counter[str] = Counter()
         for position, index in enumerate(ready):
-            if position != chosen:
+            if position != chosen and outcomes[index] is None:
                 other = items[index][0]
                 later = Later(handed_back[other.project])
                 handed_back[other.project] += 1
@@ -209,11 +218,39 @@ class Trainer(ConsumingService):
         for index, outcome in enumerate(outcomes):
             if isinstance(outcome, Deferred):
                 outcomes[index] = await consumer.settle_now(items[index][1].msg, outcome)
+        if lease is None:  # every ready request's model is trained by another worker
+            return outcomes
         index = ready[chosen]
         request, ctx = items[index]
         self.round_robin.served(request.project)
-        outcomes[index] = await self._run(request, ctx)
+        try:
+            outcomes[index] = await self._run(request, ctx, lease)
+        finally:
+            await lease.release()
         return outcomes
+
+    async def _lease_one(
+        self, items: list[tuple[TrainRequest, Delivery]], ready: list[int], outcomes: list
+    ) -> tuple[int, ModelLease | None]:
+        """The position in ``ready`` of the request to run, in round-robin order among those
+        whose model this worker could lease, and its lease; the requests of models held by
+        another worker get their outcome (``Deferred``), without occupying this one."""
+        candidates = list(range(len(ready)))
+        while candidates:
+            position = candidates[self.round_robin.pick([items[ready[c]][0].project for c in candidates])]
+            request = items[ready[position]][0]
+            try:
+                lease = await self.leases.acquire(request.project, request.model)
+            except Exception as exc:  # NATS away: the request waits, with back-off
+                outcomes[ready[position]] = DependencyUnavailable(f"model lease not acquired: {exc!r}")
+                candidates.remove(position)
+                continue
+            if lease is not None:
+                return position, lease
+            for other in [c for c in candidates if _same_model(items[ready[c]][0], request)]:
+                outcomes[ready[other]] = Deferred("another trainer worker holds the model", LEASED_RECHECK_S)
+                candidates.remove(other)
+        return -1, None
 
     async def _waits_for_groups(self, msg: Msg, request: TrainRequest) -> bool:
         """Whether the request is to be handed back: some of its groups are not stored yet, it
@@ -234,24 +271,35 @@ class Trainer(ConsumingService):
             return False  # handle() answers it at once
         return True
 
-    async def _run(self, request: TrainRequest, ctx: Delivery) -> BaseException | None:
+    async def _run(self, request: TrainRequest, ctx: Delivery, lease: ModelLease) -> BaseException | None:
         try:
             with self.subscriber.span(ctx, self.subscriber.attributes(request)):
                 async with keep_alive(ctx.msg, self.settings.ack_wait_s):
-                    await self.handle(request)
+                    await self.handle(request, lease)
             return None
-        except (InvalidMessage, DependencyUnavailable) as exc:
+        except LeaseLost as exc:
+            # Another worker holds the model now and trains from its newest saved step: this
+            # worker's step is dropped (never saved past the loss, never announced) and the
+            # request handed back, to be answered by the holder (from the record if it trains it).
+            self.policies.forget()
+            return Deferred(f"{exc}; the request is handed back", LEASED_RECHECK_S)
+        except (InvalidMessage, DependencyUnavailable, Deferred) as exc:
             return exc
         except PauseFailed as exc:
             # A replica that died stays registered until its heartbeat expires (30 s): an outage
             # to wait out with back-off, never a reason to dead-letter the request.
             return DependencyUnavailable(f"inference did not pause: {exc}")
         except StepCancelled:
+            if lease.lost:
+                return Deferred("the model's lease was lost during the step; handed back", LEASED_RECHECK_S)
             return DependencyUnavailable("the trainer stopped during the step; the request is handed back")
         except Exception as exc:  # a bug: retried, then poison (errors.py); the others are settled
             return exc
 
-    async def handle(self, request: TrainRequest) -> TrainCompleted | TrainFailed:
+    async def handle(
+        self, request: TrainRequest, lease: ModelLease | None = None
+    ) -> TrainCompleted | TrainFailed:
+        """The request's answer; ``lease``: the model's, held by this worker (None: alone)."""
         async with self.db.connection() as conn:
             done = await completed_step(conn, request.project, request.model, request.id)
         if done is not None:  # a redelivery: answer again, train nothing
@@ -282,7 +330,7 @@ class Trainer(ConsumingService):
             except ValueError as exc:
                 return await announce.fail(self.js, request, str(exc), retriable=False)
         try:
-            return await self._train(request, record, groups)
+            return await self._train(request, record, groups, lease)
         except StepRefused as exc:  # asking again cannot help: the agent must hear why
             return await announce.fail(self.js, request, str(exc), retriable=False)
 
@@ -321,9 +369,25 @@ class Trainer(ConsumingService):
             )
             return await load_groups(conn, request.project, request.model, request.group_ids)
 
-    async def _train(self, request: TrainRequest, record: ModelRecord, groups: list) -> TrainCompleted:
+    async def _train(
+        self, request: TrainRequest, record: ModelRecord, groups: list, held: ModelLease | None = None
+    ) -> TrainCompleted:
+        """One step; ``held``: the model's lease in the pool (checked before saving and announcing)."""
         started = time.monotonic()
         policy, step = await self._refusing(self.policies.get(record))
+        if step < record.step:
+            # Another worker trained the model further than this one can resume from: training
+            # here would make a step that exists already. Handed back (no back-off of the whole
+            # worker: its other models are fine) for a worker that has the newest step saved.
+            self.policies.forget()
+            raise Deferred(
+                f"{record.project}/{record.name} is at step {record.step}; this worker resumes from {step}",
+                STALE_RECHECK_S,
+            )
+
+        def lost() -> bool:
+            return held is not None and held.lost
+
         already = checkpoints.step_for_request(self.settings, record, request.id)
         if already is not None:  # crashed after saving, before recording: publish what was saved
             new_step, metrics = already
@@ -339,11 +403,12 @@ class Trainer(ConsumingService):
                         request,
                         record,
                         groups,
-                        should_stop=self.stopping.is_set,
+                        should_stop=lambda: self.stopping.is_set() or lost(),
                         prepared=prepared,
                     )
                 )
                 new_step = step + 1
+                await self._confirm(held)  # a step of a model this worker lost is never saved
                 save_started = time.monotonic()
                 await asyncio.to_thread(
                     checkpoints.save_step, self.settings, record, policy, new_step, request.id, result.metrics
@@ -357,6 +422,7 @@ class Trainer(ConsumingService):
                     "replicas_paused": float(len(lease.outcome.acked)) if lease is not None else 0.0,
                 }
             self.policies.advance(record, new_step)
+        await self._confirm(held)  # nor announced
         await announce.publish_checkpoint(self.js, self.settings, request, record, new_step, metrics)
         async with self.db.connection() as conn:
             await record_step(
@@ -386,6 +452,20 @@ class Trainer(ConsumingService):
             reward_mean=metrics.get("reward_mean"),
         )
         return await announce.complete(self.js, request, new_step, metrics)
+
+    async def _confirm(self, lease: ModelLease | None) -> None:
+        """The model is still this worker's (``LeaseLost`` if not); the policy in memory, which
+        may hold a step that will not be saved, is dropped when that cannot be said."""
+        if lease is None:
+            return
+        try:
+            await lease.confirm()
+        except LeaseLost:
+            self.policies.forget()
+            raise
+        except Exception as exc:  # NATS away: asked again later, from the last saved step
+            self.policies.forget()
+            raise DependencyUnavailable(f"the model's lease could not be confirmed: {exc!r}") from exc
 
     async def _refusing(self, work):
         """``work``'s result; its deterministic errors become ``StepRefused``, and a cancelled or
@@ -543,6 +623,10 @@ def is_off_policy(request: TrainRequest) -> bool:
 
 def model_dir(settings: TrainerSettings, project: str, model: str) -> Path:
     return Path(settings.checkpoint_dir) / project / model
+
+
+def _same_model(a: TrainRequest, b: TrainRequest) -> bool:
+    return (a.project, a.model) == (b.project, b.model)
 
 
 def _age_s(msg: Msg) -> float:

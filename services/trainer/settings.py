@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import socket
 from typing import Annotated
 
 import msgspec
@@ -110,3 +112,16 @@ class TrainerSettings(msgspec.Struct, kw_only=True, frozen=True):
         int,
         doc("pending train requests looked at to pick the next one (round-robin over projects)", ge=1),
     ] = 64
+    worker_id: Annotated[
+        str | None,
+        doc(
+            "this worker's name in a pool of trainers (a model's lease names its holder); unique among"
+            " running workers: one restarted under the same id takes its former leases over at once."
+            " Unset: trainer-<hostname>-<pid>"
+        ),
+    ] = None
+
+
+def worker_id(settings: TrainerSettings) -> str:
+    """The worker's id: the setting, else one unique to this process."""
+    return settings.worker_id or f"trainer-{socket.gethostname()}-{os.getpid()}"
