@@ -1,0 +1,142 @@
+"""What `make kube-test` checks through the running pods: an agent on the host trains the tiny
+model 2 steps; the trainer pod's container is SIGKILLed mid-step (while the replicas are paused
+for it) and the step is taken again when it comes back; PostgreSQL then holds every group once
+and each step once; both inference replicas serve the new step; the NATS servers form one
+cluster with every stream on all three."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+import urllib.request
+from pathlib import Path
+
+import httpx
+
+import artery as art
+from artery.testing.agents import half_alphabet_rollout
+from loadtests.compose.podman import log
+from loadtests.compose.scenario import (
+    BASE_MODEL,
+    GROUP_SIZE,
+    GROUPS_PER_STEP,
+    MODEL,
+    PROJECT,
+    RecordingBackend,
+    check,
+    check_nothing_lost,
+)
+from loadtests.kube.deployment import KubeDeployment
+
+KILLED = "trainer-0"
+REPLICAS = ("inference-0", "inference-1")
+
+
+def agent_backend(deployment: KubeDeployment) -> RecordingBackend:
+    """The SDK as an agent outside the cluster uses it: NATS as ``agent-demo`` with the password
+    of its Secret, one replica's API (pod addresses: rootful podman routes them to the host)."""
+    os.environ["ARTERY_NATS_USER"] = f"agent-{PROJECT}"
+    os.environ["ARTERY_NATS_PASSWORD"] = deployment.nats_password(f"agent-{PROJECT}")
+    os.environ.pop("ARTERY_OTEL_ENDPOINT", None)
+    backend = RecordingBackend(nats_url=deployment.nats_url, inference_url=deployment.inference_url)
+    backend.published = {}
+    return backend
+
+
+async def groups_for(model: art.TrainableModel) -> list:
+    return await asyncio.gather(
+        *(
+            art.TrajectoryGroup(half_alphabet_rollout(model) for _ in range(GROUP_SIZE))
+            for _ in range(GROUPS_PER_STEP)
+        )
+    )
+
+
+async def paused(deployment: KubeDeployment, replica: str) -> bool:
+    """A replica's serving state (``GET /health``): paused while the trainer takes a step."""
+    url = f"http://{deployment.ip(replica)}:8000/health"
+    async with httpx.AsyncClient(timeout=5) as client:
+        try:
+            response = await client.get(url)
+        except httpx.HTTPError:
+            return False
+    return response.json().get("status") == "paused"
+
+
+async def kill_mid_step(deployment: KubeDeployment, train: asyncio.Task, kill: dict) -> None:
+    """SIGKILL the trainer once a replica is paused for step 2: the step has begun."""
+    while not train.done():
+        if await paused(deployment, REPLICAS[0]):
+            pid, restarts = await asyncio.to_thread(deployment.kill, KILLED)
+            kill.update(pid=pid, restarts=restarts, at=time.monotonic())
+            log(f"  SIGKILL {KILLED}'s container (pid {pid} on the host) mid-step: replicas paused")
+            return
+        await asyncio.sleep(0.05)  # the pause lasts as long as the step: seconds at least
+
+
+async def training_with_a_kill(deployment: KubeDeployment, base_path: Path, results: dict) -> None:
+    backend = agent_backend(deployment)
+    try:
+        model = art.TrainableModel(
+            name=MODEL, project=PROJECT, base_model=BASE_MODEL, base_path=str(base_path)
+        )
+        await model.register(backend)
+        config = art.TrainConfig(learning_rate=5e-3)
+        started = time.monotonic()
+        first = await model.train(await groups_for(model), config=config, timeout_s=900)
+        log(f"  step {first.step} trained")
+        results["step_1_s"] = round(time.monotonic() - started, 1)
+
+        kill: dict = {}
+        second_started = time.monotonic()
+        train = asyncio.create_task(model.train(await groups_for(model), config=config, timeout_s=900))
+        await kill_mid_step(deployment, train, kill)
+        second = await train
+        results["step_2_with_kill_s"] = round(time.monotonic() - second_started, 1)
+        results["train_2_steps_s"] = round(time.monotonic() - started, 1)
+        log(f"  step {second.step} trained")
+        check(bool(kill), "the trainer was killed mid-step (a replica paused for step 2)")
+        check([first.step, second.step] == [1, 2], f"the agent trained steps {first.step}, {second.step}")
+        results["killed"] = {
+            "pod": KILLED,
+            "step_done_after_kill_s": round(time.monotonic() - kill["at"], 1),
+        }
+
+        info = deployment.container(deployment.plan(KILLED))
+        restarts = info.get("RestartCount", 0)
+        back = info["State"]["Status"] == "running" and info["State"]["Pid"] != kill["pid"]
+        check(
+            back and restarts > kill["restarts"],
+            f"{KILLED}'s container came back (restartPolicy; restarts {kill['restarts']} -> {restarts})",
+        )
+        results["killed"]["restart_count"] = restarts
+        await check_nothing_lost(deployment, backend, expected_steps=[1, 2])
+        for replica in REPLICAS:
+            url = f"http://{deployment.ip(replica)}:8000/v1/models"
+            async with httpx.AsyncClient(timeout=30) as client:
+                names = {m["id"] for m in (await client.get(url)).json()["data"]}
+            check(f"{MODEL}@2" in names, f"{replica} serves {MODEL}@2")
+    finally:
+        await backend.close()
+
+
+def nats_is_one_cluster(deployment: KubeDeployment, results: dict) -> None:
+    """Each server routes to the other two, and the streams are replicated on all three."""
+    for index in range(3):
+        base = f"http://{deployment.ip(f'nats-{index}')}:8222"
+        with urllib.request.urlopen(f"{base}/routez", timeout=10) as response:
+            routes = {r.get("remote_name") for r in json.loads(response.read())["routes"]}
+        check(len(routes - {None}) == 2, f"nats-{index} routes to the other two servers ({sorted(routes)})")
+    with urllib.request.urlopen(f"{base}/jsz?accounts=true&streams=true&config=true", timeout=10) as response:
+        jsz = json.loads(response.read())
+    streams = [
+        stream for account in jsz.get("account_details", []) for stream in account.get("stream_detail", [])
+    ]
+    replicas = {s["name"]: s["config"].get("num_replicas") for s in streams}
+    results["streams"] = replicas
+    check(
+        bool(replicas) and set(replicas.values()) == {3},
+        f"every stream and bucket has 3 replicas ({len(replicas)} streams)",
+    )
