@@ -14,7 +14,9 @@ Sha256 = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{64}$")]
 class CheckpointSaved(Event, kw_only=True, tag="checkpoint.saved"):
     """The trainer wrote a LoRA adapter for ``step``; the publisher takes it from here."""
 
-    #: Where the trainer wrote it (``file://`` on a shared volume, or an object name).
+    #: Where the trainer put it: ``nats-object://artery_trainer_state/<project>.<model>/<step:06d>/adapter.tar``
+    #: (the trainer-state store; only the event's own model and step are read), or, from older
+    #: trainers, ``file://`` on a volume shared with the publisher.
     uri: str
     sha256: Sha256
     size_bytes: Annotated[int, msgspec.Meta(ge=0)]

@@ -1,20 +1,27 @@
-"""Reading the adapter archive the trainer wrote, and checking it is what was announced.
+"""Reading the adapter archive the trainer saved, and checking it is what was announced.
 
-No NATS, no database: only the filesystem the trainer and the publisher share. A message that
-can never succeed (a URI that is not ``file://``, a file that is not there, bytes that are not
-the announced sha256, an archive a replica would refuse) raises ``InvalidMessage``; a file that
-exists but cannot be read now (permissions, an I/O error on a network volume) raises
+Where it is: in the trainer-state store (``nats-object://artery_trainer_state/<object>``, from
+any host; ``shared.trainer_state`` checks that the object is the event's own model and step), or,
+from a trainer older than that store, a ``file://`` on a filesystem the two share. A message that
+can never succeed (another URI, an object or file that is not there, bytes that are not the
+announced sha256, an archive a replica would refuse) raises ``InvalidMessage``; a store or file
+that cannot be read now (NATS away; permissions, an I/O error on a network volume) raises
 ``DependencyUnavailable`` and is retried.
 """
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import io
 import stat
 import tarfile
 from pathlib import Path
 
+from nats.js import JetStreamContext
+
+from artery.schemas import CheckpointSaved
+from artery.shared import trainer_state
 from artery.shared.adapters import (
     MAX_ADAPTER_BYTES,
     AdapterError,
@@ -25,6 +32,27 @@ from artery.shared.adapters import (
 from artery.shared.errors import DependencyUnavailable, InvalidMessage
 
 _MISSING = {errno.ENOENT, errno.ENOTDIR}
+
+
+def locate(saved: CheckpointSaved) -> str | Path:
+    """Where ``saved``'s adapter is: its object in the trainer-state store, or a local path."""
+    if trainer_state.is_store_uri(saved.uri):
+        return trainer_state.adapter_object(saved.uri, saved.project, saved.model, saved.step or 0)
+    try:
+        return adapter_path(saved.uri)
+    except InvalidMessage as exc:
+        raise InvalidMessage(
+            "uri", f"{exc.reason} (or {trainer_state.SCHEME}://{trainer_state.BUCKET}/<object>)"
+        ) from exc
+
+
+async def fetch_adapter(js: JetStreamContext, where: str | Path, sha256: str, size_bytes: int) -> bytes:
+    """The archive ``locate`` found, verified against the announced sha256 and size."""
+    if isinstance(where, Path):
+        return await asyncio.to_thread(read_adapter, where, sha256, size_bytes)
+    data = await trainer_state.get(js, where, sha256=sha256, size=size_bytes)
+    check_archive(data)
+    return data
 
 
 def adapter_path(uri: str) -> Path:

@@ -1,16 +1,19 @@
 """The checkpoint publisher: ``checkpoint.saved`` in, adapter into the Object Store, row into
 PostgreSQL, ``checkpoint.published`` out, then retention.
 
-The trainer and the publisher share a filesystem (the same machine, or a volume mounted on both):
-the trainer writes ``shared.adapters.pack_adapter(adapter_dir)`` to a file and announces it as
-``file:///abs/path/to/adapter.tar`` with the sha256 of exactly those bytes. Only ``file://``
-URIs are accepted; the publisher's copy in the Object Store is what replicas on other machines
-fetch, so the trainer may remove its file once ``checkpoint.published`` arrives.
+The trainer and the publisher share no disk: the trainer puts each step's
+``shared.adapters.pack_adapter(adapter_dir)`` in the trainer-state store and announces it as
+``nats-object://artery_trainer_state/<project>.<model>/<step:06d>/adapter.tar`` with the sha256 of
+exactly those bytes (``files.locate`` refuses any other bucket, and another model's or step's
+object). A ``file://`` URI on a filesystem both see is still read: an older trainer's events may be
+waiting in the stream. The publisher's copy in the adapters bucket is what replicas fetch, and
+what retention deletes; the trainer keeps its own for its newest steps only
+(``services.trainer.announce``).
 
 Order makes every step safe to repeat, so a redelivery (or a crash anywhere) changes nothing:
 1. look the event up in PostgreSQL: a row means the adapter is already stored, so the file is
-   not read again (the trainer may have removed it, or retention the object);
-2. read and verify the file, put it under ``<project>/<model>/<step:06d>`` (skipped when an
+   not read again (the trainer may have pruned it, or retention the object);
+2. read and verify the archive, put it under ``<project>/<model>/<step:06d>`` (skipped when an
    object with that digest is there), insert the row (ON CONFLICT DO NOTHING);
 3. publish ``checkpoint.published`` (id derived from the saved event id, so JetStream drops a
    repeat) unless the row says it went out, then record that it did;
@@ -21,7 +24,6 @@ Order makes every step safe to repeat, so a redelivery (or a crash anywhere) cha
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import uuid
 
@@ -105,11 +107,11 @@ class Publisher(ConsumingService):
     async def publish_checkpoint(self, saved: CheckpointSaved, msg: Msg | None = None) -> None:
         if saved.step is None:
             raise InvalidMessage("validation", "checkpoint.saved needs a step")
-        path = files.adapter_path(saved.uri)
+        where = files.locate(saved)
         async with self.db.connection() as conn:
             row = _same_event(saved, await store.find(conn, saved.project, saved.model, saved.step, saved.id))
         if row is None:
-            data = await asyncio.to_thread(files.read_adapter, path, saved.sha256, saved.size_bytes)
+            data = await files.fetch_adapter(self.js, where, saved.sha256, saved.size_bytes)
             if msg is not None:
                 await msg.in_progress()  # a large adapter may take a while to put
             row = CheckpointRow(
