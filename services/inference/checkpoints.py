@@ -25,16 +25,22 @@ For a load: fetch the archive from the Object Store, verify the announced sha256
 the local cache, load it as ``<model>@<step>`` and tell the serving state through
 ``on_loaded(step, served_name)``.
 
-With ``load_saved`` (a replica on the trainer's machine: ``artery up``, ``LocalBackend``), the
-replica also follows ``checkpoint.saved`` and loads the trainer's own archive file as soon as it
-is written, so the publisher's copy into the Object Store is off the critical path of a training
-step. The bytes are checked against the saved event's sha256 as a fetch is; the publisher's
-``checkpoint.published`` for that step then finds the same sha256 loaded and does nothing. A file
-this replica cannot read (another machine, another container) is no error: the published event
-follows, and the adapter comes from the Object Store as without ``load_saved``. Only the trainer
-may publish ``checkpoint.saved`` (shared/permissions.py), so no agent can point a replica at a file;
-and a file is read only if it is a regular one within the adapter size limit, then unpacked under
-the same sha256 and archive checks as a fetched adapter.
+With ``load_saved``, the replica also follows ``checkpoint.saved`` and loads the adapter the
+trainer put in the trainer-state store as soon as it is announced, so the publisher's copy into
+the adapters bucket is off the critical path of a training step. It is read message by message
+(``shared.trainer_state``: no consumer), checked against the saved event's sha256 and size as a
+fetch is; the publisher's ``checkpoint.published`` for that step then finds the same sha256 loaded
+and does nothing. A saved adapter that cannot be read (NATS away, pruned, another URI such as an
+older trainer's ``file://``) is no error: the published event follows, and the adapter comes from
+the adapters bucket as without ``load_saved``. Only the trainer may publish ``checkpoint.saved``
+and write its store (shared/permissions.py), and the URI must name the event's own model and step,
+so no agent can point a replica at another adapter; it is unpacked under the same checks as a
+fetched adapter.
+
+One way per purpose: published steps come from the adapters bucket, saved ones from the
+trainer-state store, never from a file. A file reached only replicas that shared the trainer's
+disk, which trainer workers on other hosts do not; a second path for the same bytes would be a
+second set of checks and failures to keep right, for no replica that the store does not reach.
 
 ``lag()`` says when the replica has served an older step than the newest published one for
 longer than ``max_lag_s`` (``/health`` turns that into a 503).
@@ -69,18 +75,11 @@ from opentelemetry import trace
 from artery.schemas import CheckpointDeleted, CheckpointPublished, CheckpointSaved
 from artery.services.inference.engine.base import Engine
 from artery.services.inference.serving import CheckpointLag
-from artery.shared import subjects
-from artery.shared.adapters import (
-    AdapterError,
-    AdapterNotFound,
-    get_adapter,
-    local_file,
-    read_archive_file,
-    unpack_adapter,
-)
+from artery.shared import subjects, trainer_state
+from artery.shared.adapters import AdapterError, AdapterNotFound, get_adapter, unpack_adapter
 from artery.shared.bus import CONTENT_TYPE
 from artery.shared.codec import EventDecoder
-from artery.shared.errors import InvalidMessage
+from artery.shared.errors import DependencyUnavailable, InvalidMessage
 from artery.shared.logs import get_logger
 from artery.shared.served_name import served_name
 from artery.shared.tracing import continue_trace, tracer
@@ -108,7 +107,7 @@ class _Received(Generic[_Event]):
     headers: dict[str, str] | None
 
 
-#: What the loop loads: a published step, or one the trainer saved (its file read directly).
+#: What the loop loads: a published step, or one the trainer saved (read from its store).
 _ToLoad = _Received[CheckpointPublished] | _Received[CheckpointSaved]
 
 
@@ -156,7 +155,7 @@ class CheckpointWatcher:
         #: step -> its newest published event not handled yet; the loop takes the highest.
         self._pending: dict[int, _ToLoad] = {}
         #: step -> its published event, set aside while the same bytes load from the trainer's
-        #: file; queued again if that load fails (a file this replica cannot read after all).
+        #: store; queued again if that load fails (an adapter this replica cannot read after all).
         self._published_aside: dict[int, _Received[CheckpointPublished]] = {}
         #: step -> its deletion, applied after the next load.
         self._deletions: dict[int, _Received[CheckpointDeleted]] = {}
@@ -235,7 +234,8 @@ class CheckpointWatcher:
         self._offer(msg.data, msg.headers, live=True)
 
     async def _on_saved(self, msg) -> None:
-        """The trainer's own file, before the publisher has copied it: loaded if it is the newest."""
+        """A step as the trainer saved it, before the publisher has copied it: loaded if it is the
+        newest."""
         try:
             event = _saved_decoder.decode(msg.data, (msg.headers or {}).get(CONTENT_TYPE))
         except InvalidMessage as exc:
@@ -285,7 +285,7 @@ class CheckpointWatcher:
             if waiting.event.sha256 == event.sha256:
                 self._published_aside[event.step] = _Received(event, headers)
                 self._track_lag()
-                return  # the same bytes are about to be loaded from the trainer's file
+                return  # the same bytes are about to be loaded from the trainer's store
         self._pending[event.step] = _Received(event, headers)
         self._track_lag()
         self._wake.set()
@@ -355,7 +355,7 @@ class CheckpointWatcher:
         return True
 
     def _loaded_already(self, step: int, event: CheckpointPublished | CheckpointSaved) -> bool:
-        """A published step whose bytes were loaded from the trainer's file: settled, no second load."""
+        """A published step whose bytes were loaded as saved by the trainer: settled, no second load."""
         if isinstance(event, CheckpointPublished) and self._steps.get(step) == event.sha256:
             self._settled[step] = event.sha256
             self._track_lag()
@@ -418,12 +418,13 @@ class CheckpointWatcher:
         return None
 
     async def _load_saved(self, step: int, name: str, event: CheckpointSaved) -> str | None:
-        """The trainer's archive from its file; None (the published event follows) when unreadable."""
+        """The trainer's archive from its store; None (the published event follows) when unreadable."""
         try:
-            data = await asyncio.to_thread(read_archive_file, local_file(event.uri))
+            stored = trainer_state.adapter_object(event.uri, self.project, self.model, step)
+            data = await trainer_state.get(self.js, stored, sha256=event.sha256, size=event.size_bytes)
             dest = self.cache_dir / f"step-{step}"
             path = await asyncio.to_thread(unpack_adapter, data, dest, event.sha256)
-        except (OSError, AdapterError) as exc:
+        except (InvalidMessage, DependencyUnavailable, OSError, AdapterError) as exc:
             log.info("saved adapter not loadable here; waiting for it published", step=step, error=str(exc))
             self._published_instead(step)
             return None
