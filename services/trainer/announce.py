@@ -1,6 +1,10 @@
 """What a training step tells the world: ``checkpoint.saved``, the model's step in the registry,
 ``train.completed`` or ``train.failed``, and the step's figures on ``/metrics``.
 
+A saved step leaves this host through the trainer-state store (``shared.trainer_state``), never a
+shared disk: ``checkpoint.saved`` names the adapter there, where the publisher, a replica and any
+other trainer worker read it.
+
 Every event a request causes has an id derived from the request's, so a redelivered request
 publishes the same events again and JetStream drops the repeats.
 """
@@ -17,7 +21,8 @@ from nats.js import JetStreamContext
 from artery.schemas import CheckpointSaved, ModelRecord, TrainCompleted, TrainFailed, TrainRequest
 from artery.services.trainer import checkpoints
 from artery.services.trainer.settings import TrainerSettings
-from artery.shared import subjects
+from artery.shared import subjects, trainer_state
+from artery.shared.adapters import sha256_hex
 from artery.shared.bus import derived_id, publish_event
 from artery.shared.errors import DependencyUnavailable
 from artery.shared.logs import get_logger
@@ -27,6 +32,14 @@ from artery.shared.served_name import served_name
 
 log = get_logger(__name__)
 _IDS = uuid.UUID("5b2d8f0e-6a1c-4f4e-9d55-747261696e21")
+#: Steps of a model whose state stays in the trainer-state store: the newest is what any worker
+#: resumes from; the two before it cover a step saved but never recorded (a crash in between).
+KEEP_STATE_STEPS = 3
+#: Steps of a model whose adapter stays there: the publisher reads each one from the store, and a
+#: publisher that was away while more steps than this were trained finds the older ones gone
+#: (dead-lettered, ``not_found``; the newest is published). ``train()`` waits until each step is
+#: served, so in practice the publisher is a step behind at most.
+KEEP_ADAPTER_STEPS = 10
 
 
 def request_event_id(kind: str, request: TrainRequest) -> str:
@@ -49,25 +62,56 @@ async def publish_checkpoint(
     step: int,
     metrics: dict,
 ) -> None:
-    """``checkpoint.saved`` for the step's packed adapter (the publisher stores and announces it)."""
+    """Upload the saved step (its adapter and its state) to the trainer-state store, announce
+    ``checkpoint.saved`` naming the adapter there (the publisher stores and announces it), then
+    prune the model's older steps from the store. A redelivered request uploads the same bytes
+    again, which the store finds already there."""
     if record.base_model is None:  # never: the trainer refuses such a record before a step
         raise ValueError(f"a record of project {record.project} has no base model")
-    path, sha256, size = await asyncio.to_thread(checkpoints.packed_adapter, settings, record, step)
+    project, model = request.project, request.model
+    adapter, state = await asyncio.to_thread(_step_archives, settings, record, step)
+    await trainer_state.put(js, trainer_state.object_name(project, model, step, trainer_state.STATE), state)
+    del state
+    name = trainer_state.object_name(project, model, step, trainer_state.ADAPTER)
+    await trainer_state.put(js, name, adapter)
     await publish_event(
         js,
-        subjects.checkpoint("saved", request.project, request.model),
+        subjects.checkpoint("saved", project, model),
         CheckpointSaved(
             id=request_event_id("saved", request),
-            project=request.project,
-            model=request.model,
+            project=project,
+            model=model,
             step=step,
-            uri=path.resolve().as_uri(),
-            sha256=sha256,
-            size_bytes=size,
+            uri=trainer_state.uri(name),
+            sha256=sha256_hex(adapter),
+            size_bytes=len(adapter),
             base_model=record.base_model,
             metrics=finite(metrics),
         ),
     )
+    await prune_stored_steps(js, project, model, step)
+
+
+def _step_archives(settings: TrainerSettings, record: ModelRecord, step: int) -> tuple[bytes, bytes]:
+    """The step's packed adapter (as saved) and its state archive."""
+    directory = checkpoints.step_dir(settings, record, step)
+    return (directory / checkpoints.ADAPTER_TAR).read_bytes(), checkpoints.pack_state(directory)
+
+
+async def prune_stored_steps(js: JetStreamContext, project: str, model: str, newest: int) -> None:
+    """Housekeeping after a step is announced: a failure is logged, and the next step prunes again."""
+    try:
+        for kind, keep in (
+            (trainer_state.STATE, KEEP_STATE_STEPS),
+            (trainer_state.ADAPTER, KEEP_ADAPTER_STEPS),
+        ):
+            pruned = await trainer_state.prune(js, project, model, newest, kind, keep)
+            if pruned:
+                log.info(
+                    "older steps pruned from the store", project=project, model=model, kind=kind, steps=pruned
+                )
+    except DependencyUnavailable as exc:
+        log.warning("pruning the trainer-state store failed; the next step tries again", error=str(exc))
 
 
 async def advance_registry(js: JetStreamContext, request: TrainRequest, step: int) -> None:

@@ -2,30 +2,46 @@
 
 Layout: ``<checkpoint_dir>/<project>/<model>/<step:06d>/`` holding ``adapter/`` (what inference
 loads), the optimizer state (safetensors + JSON, never pickle), ``adapter.tar`` (what the
-publisher uploads) and ``step.json`` (the request that produced it, and its metrics). A step
-directory is written under a temporary name and renamed into place, so a crash leaves either the
-whole step or nothing; a restarted trainer resumes from the highest complete step.
+publisher reads, through the store) and ``step.json`` (the request that produced it, and its
+metrics). A step directory is written under a temporary name and renamed into place, so a crash
+leaves either the whole step or nothing.
+
+The disk is this worker's cache; the trainer-state store (``shared.trainer_state``) is what every
+worker shares. Each saved step goes there as ``adapter.tar`` and ``state.tar`` (the step directory
+but ``adapter.tar``, which is rebuilt from ``adapter/``), and ``PolicyCache.get`` resumes a model
+from the newest step anywhere: a worker with an empty (or stale) disk takes the step another worker
+saved, optimizer state and ``step.json`` included, so a redelivered request is recognised there too.
 """
 
 from __future__ import annotations
 
+import asyncio
+import io
 import json
 import shutil
-from pathlib import Path
+import tarfile
+import tempfile
+from pathlib import Path, PurePosixPath
 
 import msgspec
+from nats.js import JetStreamContext
 
 from artery.schemas import ModelRecord
 from artery.services.trainer.lora import warm_start_lora
-from artery.services.trainer.policy import TRAINER_STATE, LoraSettings, OptimSettings, Policy
+from artery.services.trainer.policy import ADAPTER_DIR, TRAINER_STATE, LoraSettings, OptimSettings, Policy
 from artery.services.trainer.settings import TrainerSettings
-from artery.shared.adapters import pack_adapter, sha256_hex
+from artery.shared import trainer_state
+from artery.shared.adapters import AdapterError, check_member_name, pack_adapter
+from artery.shared.errors import DependencyUnavailable, InvalidMessage
 from artery.shared.logs import get_logger
 from artery.shared.models import resolve_base_model
 
 log = get_logger(__name__)
 STEP_FILE = "step.json"
 ADAPTER_TAR = "adapter.tar"
+#: What a step's state archive may hold beside ``adapter/``: the trainer's own data formats
+#: (safetensors and JSON, never pickle).
+STATE_SUFFIXES = frozenset({".json", ".safetensors"})
 
 
 def model_dir(settings: TrainerSettings, record: ModelRecord) -> Path:
@@ -117,10 +133,78 @@ def save_step(
     return final
 
 
-def packed_adapter(settings: TrainerSettings, record: ModelRecord, step: int) -> tuple[Path, str, int]:
-    path = step_dir(settings, record, step) / ADAPTER_TAR
-    data = path.read_bytes()
-    return path, sha256_hex(data), len(data)
+def pack_state(directory: Path) -> bytes:
+    """A step directory as a tar (``adapter.tar`` left out: ``unpack_state`` rebuilds it), the
+    same bytes for the same files (sorted, owners and times zeroed): a repeated upload is
+    recognised as the object already stored."""
+    files = [p for p in sorted(directory.iterdir()) if p.name != ADAPTER_TAR and p.name != ADAPTER_DIR]
+    files += sorted((directory / ADAPTER_DIR).iterdir())
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for path in files:
+            name = path.relative_to(directory).as_posix()
+            if path.is_symlink() or not path.is_file():
+                raise ModelUnusable(f"{directory}: {name!r} is not a regular file; a step holds files only")
+            _check_state_member(name)
+            data = path.read_bytes()
+            info = tarfile.TarInfo(name)
+            info.size, info.mode, info.mtime = len(data), 0o644, 0
+            info.uid = info.gid = 0
+            info.uname = info.gname = ""
+            tar.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+def _check_state_member(name: str) -> None:
+    """A step's file: ``adapter/<adapter file>`` or a trainer file at the top; nothing else (no
+    directory, no ``..``, no absolute path, no pickle), so unpacking writes inside the step only."""
+    parts = PurePosixPath(name).parts
+    if "\\" in name or PurePosixPath(name).is_absolute() or any(p in ("", ".", "..") for p in parts):
+        raise ModelUnusable(f"{name!r}: not a plain path inside a step")
+    if len(parts) == 2 and parts[0] == ADAPTER_DIR:
+        try:
+            check_member_name(parts[1])
+        except AdapterError as exc:
+            raise ModelUnusable(str(exc)) from exc
+    elif len(parts) != 1 or PurePosixPath(name).suffix not in STATE_SUFFIXES or name == ADAPTER_TAR:
+        raise ModelUnusable(f"{name!r}: not a file of a trainer's step")
+
+
+def unpack_state(data: bytes, final: Path) -> Path:
+    """A step's state archive as the step directory ``final`` (replaced as a whole, ``adapter.tar``
+    rebuilt); every member is checked before anything is written, and the files land in a
+    temporary sibling that is renamed into place, so ``final`` never holds half a step."""
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
+            members = tar.getmembers()
+            names = [m.name for m in members]
+            for member in members:
+                if not member.isreg():
+                    raise ModelUnusable(f"{member.name!r}: only regular files may be in a step's state")
+                _check_state_member(member.name)
+            if len(set(names)) != len(names):
+                raise ModelUnusable("a file appears twice in the step's state")
+            for needed in (STEP_FILE, TRAINER_STATE, f"{ADAPTER_DIR}/adapter_config.json"):
+                if needed not in names:
+                    raise ModelUnusable(f"the step's state has no {needed}")
+            final.parent.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.restore-", dir=final.parent))
+            try:
+                (staging / ADAPTER_DIR).mkdir()
+                for member in members:
+                    source = tar.extractfile(member)
+                    if source is None:  # never for a regular file
+                        raise ModelUnusable(f"{member.name!r} has no data")
+                    staging.joinpath(*PurePosixPath(member.name).parts).write_bytes(source.read())
+                (staging / ADAPTER_TAR).write_bytes(pack_adapter(staging / ADAPTER_DIR))
+                shutil.rmtree(final, ignore_errors=True)
+                staging.rename(final)
+            except BaseException:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise
+    except (tarfile.TarError, AdapterError) as exc:
+        raise ModelUnusable(f"the step's state is not a valid archive: {exc}") from exc
+    return final
 
 
 class ModelUnusable(ValueError):
@@ -150,19 +234,24 @@ def check_lora_unchanged(settings: TrainerSettings, record: ModelRecord, step: i
 
 
 class PolicyCache:
-    """The policy of the model last trained, kept in memory between steps (one at a time)."""
+    """The policy of the model last trained, kept in memory between steps (one at a time).
 
-    def __init__(self, settings: TrainerSettings):
+    With ``js``, each ``get`` first takes from the trainer-state store a newer step than the disk
+    holds (another worker's), or the store's copy of the disk's newest step when the two differ
+    (this worker saved a step it never uploaded, and another trained that step again)."""
+
+    def __init__(self, settings: TrainerSettings, js: JetStreamContext | None = None):
         self.settings = settings
+        self.js = js
         self._key: tuple[str, str] | None = None
         self._policy: Policy | None = None
         self._step = 0
 
     async def get(self, record: ModelRecord) -> tuple[Policy, int]:
-        import asyncio
-
         key = (record.project, record.name)
         on_disk = latest_step(self.settings, record)
+        cached = self._key == key and self._policy is not None and self._step == on_disk
+        on_disk = await self._from_store(record, on_disk, cached=cached)
         try:
             check_lora_unchanged(self.settings, record, on_disk)
             if self._key != key or self._policy is None or self._step != on_disk:
@@ -173,6 +262,52 @@ class PolicyCache:
         except ValueError as exc:  # what the record names is refused (shared.models, lora.py)
             raise ModelUnusable(f"{record.project}/{record.name}: {exc}") from exc
         return self._policy, self._step
+
+    async def _from_store(self, record: ModelRecord, on_disk: int, *, cached: bool) -> int:
+        """The step to load: ``on_disk``, or the newest one in the store, unpacked into place."""
+        if self.js is None:
+            return on_disk
+        project, model = record.project, record.name
+        try:
+            newest = await trainer_state.newest_step(self.js, project, model, max(on_disk, record.step))
+            if newest is None or newest < on_disk:
+                if record.step > on_disk:
+                    log.warning(
+                        "the registry's step is neither on disk nor stored; resuming from disk",
+                        project=project,
+                        model=model,
+                        registry_step=record.step,
+                        on_disk=on_disk,
+                    )
+                return on_disk
+            if newest == on_disk and (cached or await self._same_as_stored(record, on_disk)):
+                return on_disk
+            name = trainer_state.object_name(project, model, newest, trainer_state.STATE)
+            data = await trainer_state.get(self.js, name)
+        except InvalidMessage as exc:  # the store's trouble, never the request's: asked again later
+            raise DependencyUnavailable(f"{project}/{model} step state unreadable: {exc}") from exc
+        await asyncio.to_thread(unpack_state, data, step_dir(self.settings, record, newest))
+        log.info(
+            "step taken from the trainer-state store",
+            project=project,
+            model=model,
+            step=newest,
+            on_disk=on_disk,
+        )
+        return newest
+
+    async def _same_as_stored(self, record: ModelRecord, step: int) -> bool:
+        """Whether the disk's step ``step`` is the one stored (its adapter's digest), or none is."""
+        assert self.js is not None
+        name = trainer_state.object_name(record.project, record.name, step, trainer_state.ADAPTER)
+        stored = await trainer_state.info(self.js, name)
+        if stored is None:
+            return True
+        try:
+            local = await asyncio.to_thread((step_dir(self.settings, record, step) / ADAPTER_TAR).read_bytes)
+        except OSError:  # a step without its archive: the stored one replaces it
+            return False
+        return stored.digest == trainer_state.nats_digest(local)
 
     def _load(self, record: ModelRecord, step: int) -> Policy:
         if record.base_model is None:  # refused before any step is asked of it (service.py)
