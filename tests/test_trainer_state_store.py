@@ -1,0 +1,334 @@
+"""No disk shared between services (#30): a trained step reaches the publisher, replicas and other
+trainer workers through the trainer-state object store alone.
+
+Real nats-server, PostgreSQL and publisher; the trainer's side with the real tiny model, each
+"host" with a checkpoint directory of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import shutil
+import tarfile
+import warnings
+
+import msgspec
+import pytest
+import torch
+
+from artery.schemas import (
+    CheckpointPublished,
+    CheckpointSaved,
+    DeadLetter,
+    ModelRecord,
+    TrainConfig,
+    TrainRequested,
+    new_event_id,
+)
+from artery.services.publisher.service import object_name
+from artery.services.trainer import announce, checkpoints
+from artery.services.trainer.checkpoints import (
+    ADAPTER_TAR,
+    PolicyCache,
+    save_step,
+    step_dir,
+    step_for_request,
+)
+from artery.services.trainer.policy import Policy
+from artery.services.trainer.settings import TrainerSettings
+from artery.shared import subjects, trainer_state
+from artery.shared.adapters import get_adapter, pack_adapter, sha256_hex
+from artery.shared.bus import publish_event
+from artery.shared.models import TINY
+from tests.helpers import wait_for
+from tests.test_publisher import messages_on, settled
+from tests.test_replica_follows import following, publishing
+from tests.test_replica_loads_saved import RecordingEngine, watcher_for
+from tests.test_security import PROJECT as SECURED_PROJECT
+from tests.test_security import secured  # noqa: F401  (a fixture)
+from tests.test_trainer_policy import scored_groups
+
+pytestmark = pytest.mark.timeout(180)
+PROJECT, MODEL = "demo", "agent"
+MAX_SEQ_LEN = 256
+
+
+@pytest.fixture(autouse=True)
+def _quiet_single_thread():
+    """One torch thread: as fast on the tiny model, and steady beside other processes."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PEFT's and transformers' advice about tiny models
+        yield
+    torch.set_num_threads(threads)
+
+
+def record(step: int = 0) -> ModelRecord:
+    return ModelRecord(project=PROJECT, name=MODEL, base_model=TINY, trainable=True, step=step)
+
+
+def request() -> TrainRequested:
+    return TrainRequested(id=new_event_id(), project=PROJECT, model=MODEL, group_ids=["g1"])
+
+
+def host(tmp_path, name: str) -> TrainerSettings:
+    """A trainer worker's settings on a host of its own: its own checkpoint directory."""
+    return TrainerSettings(checkpoint_dir=str(tmp_path / name / "checkpoints"), max_seq_len=MAX_SEQ_LEN)
+
+
+async def train_and_announce(
+    js, settings: TrainerSettings, cache: PolicyCache
+) -> tuple[Policy, int, TrainRequested]:
+    """One GRPO step of the model as the trainer service takes it: resume, train, save, announce."""
+    policy, step = await cache.get(record())
+    asked = request()
+    result = await asyncio.to_thread(
+        policy.train_step, scored_groups(policy), TrainConfig(learning_rate=1e-2), max_seq_len=MAX_SEQ_LEN
+    )
+    assert result.trained
+    await asyncio.to_thread(save_step, settings, record(), policy, step + 1, asked.id, result.metrics)
+    cache.advance(record(), step + 1)
+    await announce.publish_checkpoint(js, settings, asked, record(), step + 1, result.metrics)
+    return policy, step + 1, asked
+
+
+def adapter_weights(policy: Policy) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in policy.named_trainable}
+
+
+def optimizer_tensors(policy: Policy) -> dict[str, torch.Tensor]:
+    state = policy.optimizer.state_dict()["state"]
+    return {
+        f"{i}.{k}": v
+        for i, entries in state.items()
+        for k, v in entries.items()
+        if isinstance(v, torch.Tensor)
+    }
+
+
+def assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys() and a
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+async def test_the_publisher_publishes_the_adapter_the_trainer_saved_with_no_disk_shared(
+    nc, js, database_url, tmp_path
+):
+    trainer = host(tmp_path, "trainer")
+    published = await nc.subscribe(subjects.checkpoint("published", PROJECT, MODEL))
+    await nc.flush()
+    _, step, _ = await train_and_announce(js, trainer, PolicyCache(trainer, js))
+    saved_archive = (step_dir(trainer, record(), step) / ADAPTER_TAR).read_bytes()
+    shutil.rmtree(trainer.checkpoint_dir)  # nothing of the trainer's disk is left to read
+
+    async with publishing(nc, database_url, keep_latest=10):
+        event = msgspec.json.decode((await published.next_msg(timeout=60)).data, type=CheckpointPublished)
+    assert (event.step, event.sha256, event.size_bytes) == (1, sha256_hex(saved_archive), len(saved_archive))
+    assert await get_adapter(js, object_name(PROJECT, MODEL, 1)) == saved_archive
+    saved = await js.get_last_msg(subjects.CHECKPOINTS.name, subjects.checkpoint("saved", PROJECT, MODEL))
+    assert json.loads(saved.data)["uri"] == trainer_state.uri(
+        trainer_state.object_name(PROJECT, MODEL, 1, trainer_state.ADAPTER)
+    )
+
+
+async def test_a_worker_with_an_empty_disk_resumes_the_model_from_the_store(js, tmp_path):
+    first_host, second_host = host(tmp_path, "first"), host(tmp_path, "second")
+    first = PolicyCache(first_host, js)
+    trained, step, asked = await train_and_announce(js, first_host, first)
+    assert step == 1
+
+    second = PolicyCache(second_host, js)  # another worker: nothing on its disk
+    resumed, resumed_step = await second.get(record())
+    assert resumed_step == 1 and resumed.step == 1
+    assert_same_tensors(adapter_weights(trained), adapter_weights(resumed))
+    assert_same_tensors(optimizer_tensors(trained), optimizer_tensors(resumed))
+    # The step's record came with it: a redelivered request is answered, not trained again.
+    found = step_for_request(second_host, record(), asked.id)
+    assert found is not None and found[0] == 1
+    assert (step_dir(second_host, record(), 1) / ADAPTER_TAR).read_bytes() == (
+        step_dir(first_host, record(), 1) / ADAPTER_TAR
+    ).read_bytes()
+
+    # The second worker trains the next step; the first takes that one from the store in turn.
+    after, next_step, _ = await train_and_announce(js, second_host, second)
+    assert next_step == 2
+    again, again_step = await first.get(record(step=2))
+    assert again_step == 2 and again.step == 2
+    assert_same_tensors(adapter_weights(after), adapter_weights(again))
+    assert_same_tensors(optimizer_tensors(after), optimizer_tensors(again))
+
+
+def fake_step(settings: TrainerSettings, step: int, fill: int | None = None) -> None:
+    """A step directory as save_step leaves it, without a model (for what only moves files)."""
+    final = step_dir(settings, record(), step)
+    weights = bytes([step % 256 if fill is None else fill])
+    (final / "adapter").mkdir(parents=True)
+    (final / "adapter" / "adapter_config.json").write_text('{"r": 8, "peft_type": "LORA"}')
+    (final / "adapter" / "adapter_model.safetensors").write_bytes(weights * 5_000)
+    (final / "optimizer.safetensors").write_bytes(weights * 9_000)
+    (final / "trainer_state.json").write_text(json.dumps({"step": step}))
+    (final / "step.json").write_text(json.dumps({"step": step, "request_id": f"r{step}", "metrics": {}}))
+    (final / ADAPTER_TAR).write_bytes(pack_adapter(final / "adapter"))
+
+
+async def stored_steps(js, kind: str, upto: int) -> list[int]:
+    return [
+        s
+        for s in range(1, upto + 1)
+        if await trainer_state.info(js, trainer_state.object_name(PROJECT, MODEL, s, kind))
+    ]
+
+
+async def test_the_store_keeps_only_the_newest_steps_of_a_model(js, tmp_path):
+    settings = host(tmp_path, "trainer")
+    neighbour = trainer_state.object_name(PROJECT, f"{MODEL}.v2", 1, trainer_state.STATE)
+    await trainer_state.put(js, neighbour, b"another model's step 1")
+    last = announce.KEEP_ADAPTER_STEPS + 2
+    for step in range(1, last + 1):
+        fake_step(settings, step)
+        await announce.publish_checkpoint(js, settings, request(), record(), step, {})
+        if step == 2:  # a redelivered request uploads the same bytes again: nothing is replaced
+            name = trainer_state.object_name(PROJECT, MODEL, 2, trainer_state.STATE)
+            before = await trainer_state.info(js, name)
+            await announce.publish_checkpoint(js, settings, request(), record(), step, {})
+            after = await trainer_state.info(js, name)
+            assert before is not None and after is not None and before.nuid == after.nuid
+    states = list(range(last - announce.KEEP_STATE_STEPS + 1, last + 1))
+    adapters = list(range(last - announce.KEEP_ADAPTER_STEPS + 1, last + 1))
+    assert await stored_steps(js, trainer_state.STATE, last) == states
+    assert await stored_steps(js, trainer_state.ADAPTER, last) == adapters
+    assert await trainer_state.info(js, neighbour) is not None  # pruning is per model
+
+
+async def test_a_step_this_worker_never_uploaded_gives_way_to_the_one_stored(js, tmp_path):
+    """A worker that saved step 1 and died before uploading it comes back to find step 1 trained
+    again by another worker: the stored step replaces its own, which nobody else ever saw."""
+    here, there = host(tmp_path, "here"), host(tmp_path, "there")
+    fake_step(here, 1, fill=7)
+    fake_step(there, 1, fill=9)
+    await announce.publish_checkpoint(js, there, request(), record(), 1, {})
+    assert await PolicyCache(here, js)._from_store(record(), 1, cached=False) == 1
+    mine, stored = (step_dir(s, record(), 1) for s in (here, there))
+    assert (mine / ADAPTER_TAR).read_bytes() == (stored / ADAPTER_TAR).read_bytes()
+    assert (mine / "optimizer.safetensors").read_bytes() == (stored / "optimizer.safetensors").read_bytes()
+    # The same step on both sides is left alone (not downloaded and replaced).
+    inode = stored.stat().st_ino
+    assert await PolicyCache(there, js)._from_store(record(), 1, cached=False) == 1
+    assert stored.stat().st_ino == inode
+
+
+async def test_a_saved_uri_naming_another_tenants_object_or_bucket_is_refused(
+    nc, js, db, database_url, tmp_path
+):
+    """A checkpoint.saved may only name its own model's step in the trainer-state store: another
+    project's object, another bucket or another step is dead-lettered with the reason and never
+    published, and a replica that loads saved adapters does not load it either."""
+    settings = host(tmp_path, "trainer")
+    fake_step(settings, 1)
+    data = (step_dir(settings, record(), 1) / ADAPTER_TAR).read_bytes()
+    theirs = trainer_state.object_name("other-project", MODEL, 1, trainer_state.ADAPTER)
+    await trainer_state.put(js, theirs, data)  # another tenant's step, really there
+    own = trainer_state.object_name(PROJECT, MODEL, 1, trainer_state.ADAPTER)
+    refused = {
+        "another project or model": saved_event(data, trainer_state.uri(theirs)),
+        "only artery_trainer_state is read": saved_event(
+            data, f"nats-object://{subjects.ADAPTERS_BUCKET}/{own}"
+        ),
+        "is not step 2's adapter": saved_event(data, trainer_state.uri(own), step=2),
+    }
+    dlq = await js.subscribe(subjects.dead_letter("publisher"))
+    async with publishing(nc, database_url, keep_latest=10):
+        for event in refused.values():
+            await publish_event(js, subjects.checkpoint("saved", PROJECT, MODEL), event)
+        letters = [
+            msgspec.json.decode((await dlq.next_msg(timeout=30)).data, type=DeadLetter) for _ in refused
+        ]
+        await wait_for(lambda: settled(js), timeout=30)
+    by_id = {letter.original_id: letter for letter in letters}
+    for reason, event in refused.items():
+        assert by_id[event.id].kind == "uri" and reason in by_id[event.id].reason, by_id[event.id]
+    assert await messages_on(js, subjects.checkpoint("published", PROJECT, MODEL)) == 0
+    assert await db.fetchval("SELECT count(*) FROM checkpoints") == 0
+
+    engine = RecordingEngine()
+    replica = watcher_for(js, engine, tmp_path, "replica", load_saved=True)
+    assert await replica._load_saved(1, f"{MODEL}@1", refused["another project or model"]) is None
+    assert engine.started == []
+
+
+async def test_a_replica_loads_a_saved_step_from_the_store_before_it_is_published(js, tmp_path):
+    settings = host(tmp_path, "trainer")
+    fake_step(settings, 1)
+    engine = RecordingEngine()
+    replica = watcher_for(js, engine, tmp_path / "replica-host", "replica", load_saved=True)
+    async with following(replica):
+        await announce.publish_checkpoint(js, settings, request(), record(), 1, {})
+        await engine.next_load()  # no publisher runs: the adapter came from the trainer's store
+    data = (step_dir(settings, record(), 1) / ADAPTER_TAR).read_bytes()
+    assert engine.started == [f"{MODEL}@1"] and replica.loaded == {f"{MODEL}@1": sha256_hex(data)}
+
+
+def saved_event(data: bytes, uri: str, step: int = 1) -> CheckpointSaved:
+    return CheckpointSaved(
+        id=new_event_id(),
+        project=PROJECT,
+        model=MODEL,
+        step=step,
+        uri=uri,
+        sha256=sha256_hex(data),
+        size_bytes=len(data),
+        base_model=TINY,
+    )
+
+
+def test_a_state_archive_cannot_write_outside_its_step(tmp_path):
+    def archive(*names: str) -> bytes:
+        buffer = io.BytesIO()
+        with tarfile.open(fileobj=buffer, mode="w") as tar:
+            for name in names:
+                info = tarfile.TarInfo(name)
+                info.size = 2
+                tar.addfile(info, io.BytesIO(b"{}"))
+        return buffer.getvalue()
+
+    needed = ("step.json", "trainer_state.json", "adapter/adapter_config.json")
+    for bad in (
+        "../escape.json",
+        "/abs.json",
+        "adapter/../../x.json",
+        "sub/dir/x.json",
+        "weights.pt",
+        "adapter/w.bin",
+    ):
+        with pytest.raises(checkpoints.ModelUnusable):
+            checkpoints.unpack_state(archive(*needed, bad), tmp_path / "000001")
+    assert not (tmp_path / "000001").exists() and not (tmp_path.parent / "escape.json").exists()
+    restored = checkpoints.unpack_state(archive(*needed), tmp_path / "000001")
+    assert (restored / ADAPTER_TAR).is_file() and (restored / "step.json").read_text() == "{}"
+
+
+async def test_each_role_reaches_the_store_as_its_permissions_say(secured, tmp_path):  # noqa: F811
+    """Under the stack's NATS users: the trainer writes the store and resumes from it, the
+    publisher and a replica read an adapter from it message by message; no one else writes it,
+    and an agent cannot read it."""
+    settings = host(tmp_path, "trainer")
+    fake_step(settings, 1)
+    data = (step_dir(settings, record(), 1) / ADAPTER_TAR).read_bytes()
+    name = trainer_state.object_name(PROJECT, MODEL, 1, trainer_state.ADAPTER)
+    trainer = await secured.connect("trainer")
+    await announce.publish_checkpoint(trainer.js, settings, request(), record(), 1, {})
+    assert await PolicyCache(host(tmp_path, "second"), trainer.js)._from_store(record(), 0, cached=False) == 1
+    trainer.clean()
+    for role in ("publisher", "inference"):
+        reader = await secured.connect(role)
+        assert await trainer_state.get(reader.js, name, sha256=sha256_hex(data), size=len(data)) == data
+        reader.clean()
+        await reader.denied(f"$O.{trainer_state.BUCKET}.", trainer_state.put(reader.js, name, b"evil"))
+    agent = await secured.connect(f"agent-{SECURED_PROJECT}")
+    stream = f"OBJ_{trainer_state.BUCKET}"
+    await agent.denied(f"$JS.API.STREAM.MSG.GET.{stream}", trainer_state.get(agent.js, name))
+    assert await trainer_state.get(trainer.js, name) == data
