@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
-from loadtests import inference, ingest, loop, trainer_memory, trainer_step
+from loadtests import control_plane, inference, ingest, loop, scale_out, trainer_memory, trainer_step
 
 BENCHMARKS: dict[str, Callable[[list[str]], dict]] = {
     "ingest": ingest.main,
@@ -16,6 +16,8 @@ BENCHMARKS: dict[str, Callable[[list[str]], dict]] = {
     "trainer_step": trainer_step.main,
     "trainer_memory": trainer_memory.main,
     "loop": loop.main,
+    "scale_out": scale_out.main,
+    "control_plane": control_plane.main,
 }
 
 
