@@ -48,6 +48,7 @@ import asyncio
 import datetime as dt
 import itertools
 import json
+import shutil
 import signal
 import statistics
 import tempfile
@@ -104,6 +105,7 @@ class Config:
     windows: int
     stall_s: float
     quick: bool
+    logs: Path | None
     output: Path
 
 
@@ -529,6 +531,8 @@ def run(config: Config) -> dict[str, Any]:
             raise
         finally:
             stack.stop()
+            if config.logs is not None:  # every service's log, for a phase that stalled
+                shutil.copytree(stack.logs, config.logs, dirs_exist_ok=True)
     baseline = phases.get("1")
     speedup = None
     if baseline and baseline["steps_per_s"] and "2" in phases:
@@ -540,7 +544,7 @@ def run(config: Config) -> dict[str, Any]:
             load_before, load_average_1m_after=load_average(), torch=torch.__version__, device="cpu"
         ),
         "config": {
-            **{k: v for k, v in asdict(config).items() if k != "output"},
+            **{k: v for k, v in asdict(config).items() if k not in ("output", "logs")},
             "model": TINY,
             "tenants": list(PROJECTS[: config.projects]),
             "requests_per_phase": config.projects * config.models * config.steps,
@@ -639,6 +643,7 @@ def parse_args(argv: list[str]) -> Config:
         "--stall-s", type=float, default=90.0, help="no answer for this long ends a phase (default 90)"
     )
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_STEPS} steps per model")
+    parser.add_argument("--logs", type=Path, help="copy the services' logs into this directory")
     args = parser.parse_args(argv)
     steps = args.steps or (QUICK_STEPS if args.quick else DEFAULT_STEPS)
     try:
@@ -660,6 +665,7 @@ def parse_args(argv: list[str]) -> Config:
         windows=args.windows,
         stall_s=args.stall_s,
         quick=args.quick,
+        logs=args.logs,
         output=args.output,
     )
 
