@@ -36,12 +36,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
-import multiprocessing
+import json
+import subprocess
+import sys
 import tempfile
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -61,8 +62,9 @@ PROJECT = "bench"
 #: The trainer's inbox prefix here, so that the tap tells its replies from the replicas'.
 TRAINER_INBOX = "_INBOX_TRAINER"
 LEASE_S = 30.0
-#: Seconds a host may take to connect and register its replicas.
-HOST_READY_TIMEOUT_S = 120.0
+#: Seconds the replicas bucket may take to list every replica once the hosts are up.
+REGISTERED_TIMEOUT_S = 60.0
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,19 +134,21 @@ class SimulatedReplica:
             await self.nc.close()
 
 
-def host_main(url: str, replicas: list[tuple[str, str]], heartbeat_s: float, pipe: Connection) -> None:
-    """A host process: start its replicas, say how many, run until told to stop."""
+def host_main() -> None:
+    """A host process (``python -m loadtests.control_plane --host``): its replicas from the first
+    line of stdin, ``ready <n>`` on stdout once they run, stopped when stdin closes."""
     setup_logging("inference", level="warning", fmt="console")  # a pause's info lines, times 100
-    asyncio.run(_host(url, replicas, heartbeat_s, pipe))
+    spec = json.loads(sys.stdin.readline())
+    asyncio.run(_host(spec["url"], [tuple(r) for r in spec["replicas"]], spec["heartbeat_s"]))
 
 
-async def _host(url: str, replicas: list[tuple[str, str]], heartbeat_s: float, pipe: Connection) -> None:
+async def _host(url: str, replicas: list[tuple[str, str]], heartbeat_s: float) -> None:
     running = [SimulatedReplica(url, model, rid, heartbeat_s) for model, rid in replicas]
     try:
         for replica in running:
             await replica.start()
-        pipe.send(("ready", len(running)))
-        await asyncio.get_running_loop().run_in_executor(None, pipe.recv)  # "stop", or EOF
+        print(f"ready {len(running)}", flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until EOF
     finally:
         for replica in running:
             with contextlib.suppress(Exception):
@@ -152,37 +156,46 @@ async def _host(url: str, replicas: list[tuple[str, str]], heartbeat_s: float, p
 
 
 class Hosts:
-    """The replica host processes (spawned: no state of this process is copied into them)."""
+    """The replica host processes; each stops when its stdin closes (also when this one dies)."""
 
     def __init__(self, url: str, config: Config):
-        context = multiprocessing.get_context("spawn")
-        self.pipes: list[Connection] = []
-        self.processes = []
-        for share in assignments(config):
-            ours, theirs = context.Pipe()
-            process = context.Process(target=host_main, args=(url, share, config.heartbeat_s, theirs))
-            self.pipes.append(ours)
-            self.processes.append(process)
+        self.url, self.config = url, config
+        self.processes: list[subprocess.Popen] = []
 
     def start(self) -> int:
-        for process in self.processes:
-            process.start()
+        for share in assignments(self.config):
+            process = subprocess.Popen(
+                [sys.executable, "-m", "loadtests.control_plane", "--host"],
+                cwd=ROOT,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            self.processes.append(process)
+            assert process.stdin is not None
+            spec = {"url": self.url, "replicas": share, "heartbeat_s": self.config.heartbeat_s}
+            process.stdin.write(json.dumps(spec) + "\n")
+            process.stdin.flush()
         started = 0
-        for pipe, process in zip(self.pipes, self.processes, strict=True):
-            if not pipe.poll(HOST_READY_TIMEOUT_S):
-                raise TimeoutError(f"replica host {process.pid} not ready in {HOST_READY_TIMEOUT_S}s")
-            started += pipe.recv()[1]
+        for process in self.processes:
+            assert process.stdout is not None
+            ready, _, count = process.stdout.readline().partition(" ")  # blocks until it is up
+            if ready != "ready":
+                raise RuntimeError(f"replica host {process.pid} exited with {process.wait()} before ready")
+            started += int(count)
         return started
 
     def stop(self) -> None:
-        for pipe in self.pipes:
-            with contextlib.suppress(OSError):
-                pipe.send("stop")
         for process in self.processes:
-            process.join(30)
-            if process.is_alive():
+            with contextlib.suppress(OSError):
+                assert process.stdin is not None
+                process.stdin.close()
+        for process in self.processes:
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
                 process.kill()
-                process.join()
+                process.wait()
 
 
 # --------------------------------------------------------------------------- the trainer side
@@ -273,7 +286,7 @@ async def measure(url: str, config: Config, started_replicas: int) -> dict[str, 
     tap_nc = await nats.connect(servers=servers, name="tap")
     try:
         js = nc.jetstream()
-        registered = await wait_registered(js, config.replicas, HOST_READY_TIMEOUT_S)
+        registered = await wait_registered(js, config.replicas, REGISTERED_TIMEOUT_S)
         tap = Tap(tap_nc)
         await tap.start()
         before = tap.snapshot()
@@ -481,4 +494,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:] == ["--host"]:
+        host_main()
+    else:
+        main()
