@@ -20,15 +20,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from loadtests import RESULTS_DIR
-from loadtests.compose.podman import ROOT, Podman, ensure_tools, log
+from loadtests.compose.podman import ROOT, Podman, ensure_tools
 from loadtests.kube import images, scenario
-from loadtests.kube.deployment import KubeDeployment
+from loadtests.kube.deployment import KubeDeployment, log
 
 WORK = ROOT / ".artery" / "kube"
 #: Each pod uses one core at most: the machine is small and shared.
@@ -44,8 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     results: dict = {"ok": False}
     ensure_tools()
     podman = Podman(work=WORK)
-    deployment = KubeDeployment(podman, env_overrides=ENV_OVERRIDES)
-    deployment.teardown()  # what an interrupted earlier run left
+    KubeDeployment(podman).teardown()  # what an interrupted earlier run left
+    for stale in WORK.glob("run-*"):
+        shutil.rmtree(stale, ignore_errors=True)
     deployment = KubeDeployment(podman, env_overrides=ENV_OVERRIDES)
     try:
         if args.no_build:

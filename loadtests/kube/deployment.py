@@ -15,11 +15,15 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loadtests.compose.podman import Podman, log
+from loadtests.compose.podman import Podman
 from loadtests.kube import render, secrets
 
 NETWORK = f"{render.PREFIX}-net"
 ORDER = ("StatefulSet", "Job", "Deployment")
+
+
+def log(message: str) -> None:
+    print(f"[kube-test {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
 class NotReady(RuntimeError):

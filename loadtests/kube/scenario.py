@@ -1,6 +1,6 @@
 """What `make kube-test` checks through the running pods: an agent on the host trains the tiny
-model 2 steps; the trainer pod's container is SIGKILLed mid-step (while the replicas are paused
-for it) and the step is taken again when it comes back; PostgreSQL then holds every group once
+model 2 steps; the trainer pod's container is SIGKILLed mid-step (once it asked the replicas to
+pause for it) and the step is taken again when it comes back; PostgreSQL then holds every group once
 and each step once; both inference replicas serve the new step; the NATS servers form one
 cluster with every stream on all three."""
 
@@ -14,10 +14,12 @@ import urllib.request
 from pathlib import Path
 
 import httpx
+import nats
 
 import artery as art
+from artery.shared import subjects
+from artery.shared.permissions import inbox_prefix
 from artery.testing.agents import half_alphabet_rollout
-from loadtests.compose.podman import log
 from loadtests.compose.scenario import (
     BASE_MODEL,
     GROUP_SIZE,
@@ -28,7 +30,7 @@ from loadtests.compose.scenario import (
     check,
     check_nothing_lost,
 )
-from loadtests.kube.deployment import KubeDeployment
+from loadtests.kube.deployment import KubeDeployment, log
 
 KILLED = "trainer-0"
 REPLICAS = ("inference-0", "inference-1")
@@ -54,26 +56,30 @@ async def groups_for(model: art.TrainableModel) -> list:
     )
 
 
-async def paused(deployment: KubeDeployment, replica: str) -> bool:
-    """A replica's serving state (``GET /health``): paused while the trainer takes a step."""
-    url = f"http://{deployment.ip(replica)}:8000/health"
-    async with httpx.AsyncClient(timeout=5) as client:
-        try:
-            response = await client.get(url)
-        except httpx.HTTPError:
-            return False
-    return response.json().get("status") == "paused"
-
-
-async def kill_mid_step(deployment: KubeDeployment, train: asyncio.Task, kill: dict) -> None:
-    """SIGKILL the trainer once a replica is paused for step 2: the step has begun."""
-    while not train.done():
-        if await paused(deployment, REPLICAS[0]):
+async def kill_mid_step(deployment: KubeDeployment, groups: list, model, config, kill: dict):
+    """Step 2 with the trainer SIGKILLed once it asks the replicas to pause for it: the step has
+    begun. The operator's ``admin`` user reads every subject, the trainer's pause request too."""
+    nc = await nats.connect(
+        deployment.nats_url,
+        user="admin",
+        password=deployment.nats_password("admin"),
+        inbox_prefix=inbox_prefix("admin"),
+        allow_reconnect=False,
+    )
+    try:
+        pauses = await nc.subscribe(subjects.control("pause", PROJECT, MODEL))
+        train = asyncio.create_task(model.train(groups, config=config, timeout_s=900))
+        next_pause = asyncio.ensure_future(pauses.next_msg(timeout=900))
+        await asyncio.wait({train, next_pause}, return_when=asyncio.FIRST_COMPLETED)
+        if next_pause.done() and not train.done():
             pid, restarts = await asyncio.to_thread(deployment.kill, KILLED)
             kill.update(pid=pid, restarts=restarts, at=time.monotonic())
-            log(f"  SIGKILL {KILLED}'s container (pid {pid} on the host) mid-step: replicas paused")
-            return
-        await asyncio.sleep(0.05)  # the pause lasts as long as the step: seconds at least
+            log(f"  SIGKILL {KILLED}'s container (pid {pid} on the host) mid-step: it asked for a pause")
+        else:
+            next_pause.cancel()
+        return await train
+    finally:
+        await nc.close()
 
 
 async def training_with_a_kill(deployment: KubeDeployment, base_path: Path, results: dict) -> None:
@@ -91,13 +97,11 @@ async def training_with_a_kill(deployment: KubeDeployment, base_path: Path, resu
 
         kill: dict = {}
         second_started = time.monotonic()
-        train = asyncio.create_task(model.train(await groups_for(model), config=config, timeout_s=900))
-        await kill_mid_step(deployment, train, kill)
-        second = await train
+        second = await kill_mid_step(deployment, await groups_for(model), model, config, kill)
         results["step_2_with_kill_s"] = round(time.monotonic() - second_started, 1)
         results["train_2_steps_s"] = round(time.monotonic() - started, 1)
         log(f"  step {second.step} trained")
-        check(bool(kill), "the trainer was killed mid-step (a replica paused for step 2)")
+        check(bool(kill), "the trainer was killed mid-step (after its pause request for step 2)")
         check([first.step, second.step] == [1, 2], f"the agent trained steps {first.step}, {second.step}")
         results["killed"] = {
             "pod": KILLED,
