@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import time
 import urllib.request
 from pathlib import Path
@@ -82,6 +83,20 @@ async def kill_mid_step(deployment: KubeDeployment, groups: list, model, config,
         await nc.close()
 
 
+def resumed_steps(logs: str) -> list[int]:
+    """Steps the trainer's last process (after its last ``starting`` line) resumed models from."""
+    last_start = logs.rfind('"event": "starting"')
+    steps = []
+    for candidate in re.findall(r"\{[^{}]*\}", logs[max(last_start, 0) :]):
+        try:
+            line = json.loads(candidate)
+        except ValueError:  # a warning's text, not a log line
+            continue
+        if line.get("event") == "resuming":
+            steps.append(line["step"])
+    return steps
+
+
 async def training_with_a_kill(deployment: KubeDeployment, base_path: Path, results: dict) -> None:
     backend = agent_backend(deployment)
     try:
@@ -116,6 +131,8 @@ async def training_with_a_kill(deployment: KubeDeployment, base_path: Path, resu
             f"{KILLED}'s container came back (restartPolicy; restarts {kill['restarts']} -> {restarts})",
         )
         results["killed"]["restart_count"] = restarts
+        resumed = resumed_steps(deployment.logs(KILLED, 400))
+        check(resumed == [1], f"the restarted trainer resumed the model from step 1's checkpoint ({resumed})")
         await check_nothing_lost(deployment, backend, expected_steps=[1, 2])
         for replica in REPLICAS:
             url = f"http://{deployment.ip(replica)}:8000/v1/models"
