@@ -1,9 +1,10 @@
-"""A replica on the trainer's machine serves a step as soon as it is saved (#11).
+"""A replica serves a step as soon as it is saved (#11), wherever the trainer runs (#30).
 
 The publisher's copy into the Object Store is then off the critical path of a training step: the
-replica reads the trainer's archive file, checks it against ``checkpoint.saved``'s sha256, and the
-publisher's ``checkpoint.published`` for that step finds it loaded already. Where the replica
-cannot read the file (another machine), the published event brings the adapter as before.
+replica reads the trainer's archive from the trainer-state store, checks it against
+``checkpoint.saved``'s sha256, and the publisher's ``checkpoint.published`` for that step finds it
+loaded already. Where the replica cannot read it (not stored, or a URI it never reads, such as an
+older trainer's ``file://``), the published event brings the adapter as before.
 
 Real nats-server, PostgreSQL and publisher; the engine records its loads.
 """
@@ -16,7 +17,7 @@ import pytest
 
 from artery.services.inference.checkpoints import CheckpointWatcher
 from artery.services.publisher.service import object_name
-from artery.shared import subjects
+from artery.shared import subjects, trainer_state
 from artery.shared.adapters import put_adapter, sha256_hex
 from artery.shared.bus import publish_event
 from tests.test_publisher import MODEL, PROJECT, SAVED, published_event, saved_event, write_adapter
@@ -73,7 +74,10 @@ async def test_a_saved_step_is_served_before_it_is_published_and_loaded_once(nc,
 
     sub = await nc.subscribe(published, cb=seen)
     await nc.flush()  # the subscription is on the server before anything can be published
-    uri, data = write_adapter(tmp_path / "trainer", 1, size=50_000)
+    _, data = write_adapter(tmp_path / "trainer", 1, size=50_000)
+    stored = trainer_state.object_name(PROJECT, MODEL, 1, trainer_state.ADAPTER)
+    await trainer_state.put(js, stored, data)  # what the trainer does, from whichever host it runs on
+    uri = trainer_state.uri(stored)
     async with following(fast_watcher), following(slow_watcher):
         # No publisher yet: only the trainer's checkpoint.saved exists.
         await publish_event(js, SAVED, saved_event(uri, data, 1))
@@ -93,13 +97,14 @@ async def test_a_saved_step_is_served_before_it_is_published_and_loaded_once(nc,
     await sub.unsubscribe()
 
 
-async def test_a_saved_file_this_replica_cannot_read_waits_for_the_published_adapter(nc, js, tmp_path):
+async def test_a_saved_adapter_this_replica_cannot_read_waits_for_the_published_adapter(nc, js, tmp_path):
     engine = RecordingEngine()
     watcher = watcher_for(js, engine, tmp_path, "replica", load_saved=True)
-    uri, data = write_adapter(tmp_path / "trainer", 1, size=50_000)
-    elsewhere = uri.replace("/trainer/", "/on-another-machine/")  # no such file here
+    _, data = write_adapter(tmp_path / "trainer", 1, size=50_000)
+    # Never stored (or pruned meanwhile): the store says not found.
+    missing = trainer_state.uri(trainer_state.object_name(PROJECT, MODEL, 1, trainer_state.ADAPTER))
     async with following(watcher):
-        await publish_event(js, SAVED, saved_event(elsewhere, data, 1))
+        await publish_event(js, SAVED, saved_event(missing, data, 1))
         name = object_name(PROJECT, MODEL, 1)
         await put_adapter(js, name, data)  # what the publisher, on the trainer's machine, does
         event = published_event(name, data, 1)
@@ -111,8 +116,9 @@ async def test_a_saved_file_this_replica_cannot_read_waits_for_the_published_ada
 
 async def test_a_published_event_set_aside_for_a_saved_load_that_fails_is_loaded_next(js, tmp_path):
     """The published event of a step whose saved load is pending is set aside (the same bytes are
-    about to load from the file); if the file turns out unreadable, that event is queued again at
-    once, not left for the periodic catch-up. Driven step by step, without the watcher's loop."""
+    about to load as saved); if the saved adapter turns out unreadable (here an older trainer's
+    file URI, which replicas never read), that event is queued again at once, not left for the
+    periodic catch-up. Driven step by step, without the watcher's loop."""
     from types import SimpleNamespace
 
     from artery.schemas import CheckpointPublished
@@ -130,5 +136,5 @@ async def test_a_published_event_set_aside_for_a_saved_load_that_fails_is_loaded
     await watcher._on_published(message(published))
     assert isinstance(watcher._pending[1].event, type(saved))  # the saved load goes first
     step, received = watcher._take_newest()
-    assert await watcher._load(step, received.event) is None  # the file is not on this machine
+    assert await watcher._load(step, received.event) is None  # not read from a file
     assert isinstance(watcher._pending[1].event, CheckpointPublished)  # loaded next, from the store
