@@ -424,9 +424,9 @@ async def verify(backend: RecordingBackend, model: art.TrainableModel, workload:
             PROJECT,
             MODEL,
         )
-        # train() returns once a replica serves the new step, and a replica on the trainer's
-        # machine loads it from the trainer's file (checkpoint.saved) before the publisher has
-        # put it in the Object Store and recorded it: wait for the publisher's row of the last step.
+        # train() returns once a replica serves the new step, and a replica loads a saved step
+        # (checkpoint.saved, from the trainer-state store) before the publisher has put it in
+        # the adapters bucket and recorded it: wait for the publisher's row of the last step.
         last_step = len(workload.steps)
         deadline = time.monotonic() + PUBLISH_WAIT_S
         while True:

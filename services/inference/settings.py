@@ -66,8 +66,8 @@ class InferenceSettings(msgspec.Struct, kw_only=True, frozen=True):
     load_saved_adapters: Annotated[
         bool,
         doc(
-            "load an adapter from the trainer's file as soon as it is saved, when this replica can"
-            " read it (same machine); otherwise, or if unreadable, once it is published"
+            "load an adapter as soon as the trainer has saved it (from the trainer-state object"
+            " store), before the publisher has published it; if unreadable, once it is published"
         ),
     ] = True
     max_checkpoint_lag_s: Annotated[
