@@ -575,6 +575,7 @@ def render(result: dict[str, Any]) -> str:
             "failed",
             "handoffs",
             "min share",
+            "longest wait s",
             "trainer CPU s",
         )
     ]
@@ -592,6 +593,7 @@ def render(result: dict[str, Any]) -> str:
                 str(p["failed"]),
                 str(p["handoffs"]),
                 f"{p['tenants']['min_share_while_contended']:.2f}",
+                f"{max(t['longest_wait_s'] or 0.0 for t in p['tenants']['projects'].values()):.1f}",
                 f"{p['cpu_s'].get('trainer', 0.0):.1f}",
             )
         )
@@ -604,7 +606,7 @@ def render(result: dict[str, Any]) -> str:
         f"machine: {m['cpu_count']} CPUs, load {m['load_average_1m_before']} before,"
         f" {m['load_average_1m_after']} after",
         "",
-        *table(rows, right=set(range(1, 12))),
+        *table(rows, right=set(range(1, 13))),
         "",
     ]
     for workers, p in result["workers"].items():
