@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import tempfile
 import time
 import urllib.error
@@ -158,12 +157,18 @@ class KubeDeployment:
                 raise NotReady(f"{plan.name} not completed after {timeout_s:.0f} s: {state['Status']}")
             time.sleep(1.0)  # between looks at the container's state
 
-    def kill(self, name: str) -> tuple[int, int]:
-        """SIGKILL the pod's container's main process from the host, as the kernel's OOM killer
-        would. Returns (pid, restart count)."""
-        info = self.container(self.plan(name))
-        os.kill(info["State"]["Pid"], signal.SIGKILL)
-        return info["State"]["Pid"], info.get("RestartCount", 0)
+    def wait_restarted(self, name: str, restarts: int, timeout_s: float = 300.0) -> dict:
+        """Until the pod's container runs again after ``restarts`` restarts and is ready; its
+        ``podman inspect``."""
+        deadline = time.monotonic() + timeout_s
+        plan = self.plan(name)
+        while True:
+            info = self.container(plan)
+            if info.get("RestartCount", 0) > restarts and self.ready(plan):
+                return info
+            if time.monotonic() > deadline:
+                raise NotReady(f"{name} not back after {timeout_s:.0f} s: {info['State']['Status']}")
+            time.sleep(1.0)  # between looks, as a probe's period
 
     def logs(self, name: str, tail: int = 30) -> str:
         plan = self.plan(name)

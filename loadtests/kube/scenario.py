@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import re
+import signal
 import time
 import urllib.request
 from pathlib import Path
@@ -68,12 +69,15 @@ async def kill_mid_step(deployment: KubeDeployment, groups: list, model, config,
         allow_reconnect=False,
     )
     try:
+        # Looked up before: `podman inspect` may take longer than a tiny model's step.
+        info = await asyncio.to_thread(deployment.container, deployment.plan(KILLED))
+        pid, restarts = info["State"]["Pid"], info.get("RestartCount", 0)
         pauses = await nc.subscribe(subjects.control("pause", PROJECT, MODEL))
         train = asyncio.create_task(model.train(groups, config=config, timeout_s=900))
         next_pause = asyncio.ensure_future(pauses.next_msg(timeout=900))
         await asyncio.wait({train, next_pause}, return_when=asyncio.FIRST_COMPLETED)
         if next_pause.done() and not train.done():
-            pid, restarts = await asyncio.to_thread(deployment.kill, KILLED)
+            os.kill(pid, signal.SIGKILL)  # as the kernel's OOM killer would
             kill.update(pid=pid, restarts=restarts, at=time.monotonic())
             log(f"  SIGKILL {KILLED}'s container (pid {pid} on the host) mid-step: it asked for a pause")
         else:
@@ -123,11 +127,10 @@ async def training_with_a_kill(deployment: KubeDeployment, base_path: Path, resu
             "step_done_after_kill_s": round(time.monotonic() - kill["at"], 1),
         }
 
-        info = deployment.container(deployment.plan(KILLED))
+        info = await asyncio.to_thread(deployment.wait_restarted, KILLED, kill["restarts"])
         restarts = info.get("RestartCount", 0)
-        back = info["State"]["Status"] == "running" and info["State"]["Pid"] != kill["pid"]
         check(
-            back and restarts > kill["restarts"],
+            info["State"]["Pid"] != kill["pid"] and restarts > kill["restarts"],
             f"{KILLED}'s container came back (restartPolicy; restarts {kill['restarts']} -> {restarts})",
         )
         results["killed"]["restart_count"] = restarts
