@@ -146,7 +146,8 @@ class Trainer(ConsumingService):
         # Opened at start; an outage later is waited out (nak, back off), never a failure of the
         # request, which would dead-letter it as poison in the end.
         self.db = ServicePool(dsn, max_size=2)
-        self.policies = checkpoints.PolicyCache(settings)
+        # Resumes a model from the newest step any worker of the pool saved (the trainer-state store).
+        self.policies = checkpoints.PolicyCache(settings, self.js)
         self.subscriber: Subscriber[TrainRequest] = Subscriber(
             TrainRequest,
             service=SERVICE,
@@ -376,10 +377,10 @@ class Trainer(ConsumingService):
         started = time.monotonic()
         policy, step = await self._refusing(self.policies.get(record))
         if step < record.step:
-            # Another worker trained the model further than this one can resume from: training
-            # here would make a step that exists already. Handed back (no back-off of the whole
-            # worker: its other models are fine) for a worker that has the newest step saved.
-            self.policies.forget()
+            # The model is further than any step this worker could find (neither its disk nor the
+            # trainer-state store has the newest one): training here would make a step that
+            # exists already. Handed back without backing the whole worker off (its other models
+            # are fine), for a worker that has that step.
             raise Deferred(
                 f"{record.project}/{record.name} is at step {record.step}; this worker resumes from {step}",
                 STALE_RECHECK_S,
