@@ -19,6 +19,7 @@ from loadtests.kube import render, secrets
 
 NETWORK = f"{render.PREFIX}-net"
 ORDER = ("StatefulSet", "Job", "Deployment")
+KUBE_DEFAULT_NETWORK = "podman-default-kube-network"
 
 
 def log(message: str) -> None:
@@ -205,6 +206,8 @@ class KubeDeployment:
         for secret in self.secrets():
             self.podman.run("secret", "rm", secret, check=False, capture=True)
         self.podman.run("network", "rm", "--force", NETWORK, check=False, capture=True)
+        # kube play creates this one on first use even with --network; removed unless in use.
+        self.podman.run("network", "rm", KUBE_DEFAULT_NETWORK, check=False, capture=True)
         shutil.rmtree(self.work, ignore_errors=True)
         return self.pods() + self.volumes() + self.secrets() + self.networks()
 
