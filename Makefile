@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup setup-vllm browser demo demo-agent prepare-model test test-fast test-vllm test-stress fuzz lint format schemas docs bench chaos soak compose-test clean
+.PHONY: setup setup-vllm browser demo demo-agent prepare-model test test-fast test-vllm test-stress fuzz lint format schemas docs bench chaos soak compose-test kube-test clean
 
 setup: $(STAMP)
 
@@ -129,6 +129,11 @@ soak: setup
 # removes its containers and volumes (images stay cached; COMPOSE_TEST_ARGS=--remove-images: not).
 compose-test: setup
 	$(PY) -m loadtests.compose $(COMPOSE_TEST_ARGS)
+
+# The Kubernetes manifests (kubernetes/) played with podman kube play on the images compose-test
+# builds (tag kube): 2 steps train, the trainer is SIGKILLed mid-step and resumes (loadtests/kube/).
+kube-test: setup
+	$(PY) -m loadtests.kube $(KUBE_TEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info site

@@ -52,6 +52,7 @@ TIER_OF_MODULE: dict[str, str] = {
     "test_packaging.py": "contract",
     "test_structure.py": "contract",
     "test_tiers.py": "contract",
+    "test_kubernetes.py": "contract",  # the manifests against the Kubernetes schemas, offline
     # -- service
     "test_auto_rl.py": "service",
     "test_capture_scopes.py": "service",
@@ -105,7 +106,10 @@ TIER_OF_MODULE: dict[str, str] = {
     "test_trainer_pause_outage.py": "integration",
     "test_consumer_subscriber.py": "integration",
     "test_mcp_server_url.py": "integration",
+    "test_trainer_state_store.py": "integration",
+    "test_trainer_pool.py": "integration",  # two trainer worker processes, one SIGKILLed
     # -- e2e
+    "test_loadtests_scale.py": "e2e",  # the scale-out and control-plane benchmarks, tiny
     "test_art_api.py": "e2e",
     "test_art_conformance.py": "e2e",
     "test_no_missed_wakeups.py": "e2e",
