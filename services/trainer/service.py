@@ -18,6 +18,13 @@ inference, and answer with ``train.completed`` (what a step announces is in ``an
 redelivered request is answered from the record (or from the checkpoint it already produced) and
 never trains twice; a trainer that dies mid-step leaves inference paused no longer than the lease.
 
+Any number of trainer processes may share the requests (a pool of workers): the chosen request
+runs holding its model's lease (``lease.py``), so a model's steps run on one worker at a time while
+other models train on the others; a request whose model another worker holds is handed back for
+``LEASED_RECHECK_S``. The lease is confirmed (compare-and-set) before the step is saved and again
+before it is announced: a worker that lost it (another took the model over) drops the step there
+and hands the request back, for the holder.
+
 Tracing: each request is handled in a ``trainer.step`` span, the child of the span that published
 ``train.requested`` (the SDK's ``train()``), with a link to every group's submission (the
 ``Artery-Trace-Links`` header); ``checkpoint.saved`` and ``train.completed`` carry the step's context.
