@@ -634,7 +634,7 @@ def parse_args(argv: list[str]) -> Config:
     parser.add_argument(
         "--steps", type=int, help=f"train requests per model (default {DEFAULT_STEPS}; quick {QUICK_STEPS})"
     )
-    parser.add_argument("--group-size", type=int, default=8, help="rollouts per group (default 8)")
+    parser.add_argument("--group-size", type=int, default=32, help="rollouts per group (default 32)")
     parser.add_argument("--words", type=int, default=48, help="words of each rollout's answer (default 48)")
     parser.add_argument(
         "--workers", default="1,2", help="trainer worker counts, one phase each, in order (default 1,2)"
