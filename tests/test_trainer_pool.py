@@ -183,6 +183,13 @@ async def test_two_workers_train_four_models_in_order_and_survive_a_sigkill(
         done = await answers[(project, model)].of(killed_request.id, timeout=300)
         assert isinstance(done, TrainCompleted) and done.step == STEPS + 1, done
         assert (project, model, STEPS + 1) in trained(survivor)
+        if (project, model, STEPS) not in trained(survivor):  # the dead worker saved step STEPS
+            restored = [
+                json.loads(line)
+                for line in survivor.log_path.read_text().splitlines()
+                if '"event": "step taken from the trainer-state store"' in line
+            ]
+            assert any((r["project"], r["model"], r["step"]) == (project, model, STEPS) for r in restored)
         assert answers[(project, model)].order.count(killed_request.id) == 1
         rows = await db.fetch(
             "SELECT step, request_id FROM training_steps WHERE project = $1 AND model = $2 ORDER BY step",
