@@ -338,6 +338,9 @@ def permissions(role: str, user: str, *, project: str | None = None) -> Permissi
             *_object_write(state),
             *_kv_read(leases),
             *_kv_write(leases),
+            # Is a lease's holder alive? The trainers' own readiness ping (shared.health) says.
+            f"$SRV.PING.{subjects.HEALTH_SERVICE.format(service='trainer')}",
+            f"$SRV.PING.{subjects.HEALTH_SERVICE.format(service='trainer')}.*",
         ]
     elif role == "publisher":
         publish += [
