@@ -367,6 +367,8 @@ def summarize(config: Config, phase: Phase, rows: list, workers_of: dict, cpu: d
         "elapsed_s": round(elapsed, 2),
         "steps_per_s": round(len(completed) / elapsed, 3),
         "step_total_s_median": round(statistics.median(step_totals), 3) if step_totals else None,
+        # How much of the phase the workers spent in steps: 1.0 per worker that never waited.
+        "steps_running_mean": round(sum(step_totals) / elapsed, 2),
         "order_violations": order["violations"],
         "order_problems": order["problems"][:20],
         "overlapping_steps": order["overlaps"],
@@ -569,6 +571,7 @@ def render(result: dict[str, Any]) -> str:
             "s",
             "steps/s",
             "step median s",
+            "in steps",
             "violations",
             "overlaps",
             "lost",
@@ -587,6 +590,7 @@ def render(result: dict[str, Any]) -> str:
                 f"{p['elapsed_s']:.1f}",
                 f"{p['steps_per_s']:.3f}",
                 f"{p['step_total_s_median']}",
+                f"{p['steps_running_mean']:.2f}",
                 str(p["order_violations"]),
                 str(p["overlapping_steps"]),
                 str(p["lost"]),
@@ -606,7 +610,7 @@ def render(result: dict[str, Any]) -> str:
         f"machine: {m['cpu_count']} CPUs, load {m['load_average_1m_before']} before,"
         f" {m['load_average_1m_after']} after",
         "",
-        *table(rows, right=set(range(1, 13))),
+        *table(rows, right=set(range(1, 14))),
         "",
     ]
     for workers, p in result["workers"].items():
