@@ -36,7 +36,7 @@ GONE_WITHIN_S = 20.0
 
 PROGRAM = textwrap.dedent(
     """
-    import asyncio, sys
+    import asyncio, faulthandler, signal, sys
 
     import artery as art
     from artery.shared.models import TINY
@@ -53,6 +53,8 @@ PROGRAM = textwrap.dedent(
             await asyncio.Event().wait()  # until a signal ends it
 
 
+    # A program that does not end when asked shows where it is stuck (see ended()).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     asyncio.run(main(sys.argv[1], sys.argv[2], sys.argv[3] == "replica"))
     """
 )
@@ -118,6 +120,23 @@ def wait_ready(proc: subprocess.Popen, stderr: Path) -> None:
     raise AssertionError(f"the program never got its stack ready ({line!r}); it said:\n{stderr.read_text()}")
 
 
+def ended(proc: subprocess.Popen, stderr: Path) -> int:
+    """The program's exit code once it ends; if it does not within ``END_TIMEOUT_S``, the
+    failure shows every thread's stack as it was (faulthandler, on SIGUSR1), not a bare timeout."""
+    try:
+        return proc.wait(END_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + 10
+        while "most recent call first" not in stderr.read_text(errors="replace"):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.1)  # faulthandler writes from its signal handler: nothing to wait on
+        raise AssertionError(
+            f"the program did not end within {END_TIMEOUT_S:g} s; its threads:\n{stderr.read_text()}"
+        ) from None
+
+
 def wait_gone(processes: dict[tuple[int, int], str], within: float) -> dict[tuple[int, int], str]:
     """What still runs of ``processes`` once ``within`` seconds passed; nothing as soon as all
     are gone."""
@@ -162,7 +181,7 @@ def test_no_process_of_the_stack_outlives_its_program(tmp_path, how, replica, ex
         assert ("artery.services.inference" in commands) == replica
         if how.startswith("SIG"):
             proc.send_signal(getattr(signal, how))
-        assert proc.wait(END_TIMEOUT_S) == exit_code, stderr.read_text()
+        assert ended(proc, stderr) == exit_code, stderr.read_text()
         left = wait_gone(stack, GONE_WITHIN_S)
         assert not left, f"{len(left)} of the stack's {len(stack)} processes outlived its program: {left}"
         assert not stack_processes(proc.pid, tag)  # nothing escaped the tree either
