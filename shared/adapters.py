@@ -198,8 +198,15 @@ async def adapter_info(js: JetStreamContext, object_name: str) -> ObjectInfo:
 
 async def read_adapter(js: JetStreamContext, info: ObjectInfo) -> bytes:
     """The chunks ``info`` names, checked against its size and digest."""
-    stream = OBJ_STREAM_TEMPLATE.format(bucket=subjects.ADAPTERS_BUCKET)
-    chunks = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=subjects.ADAPTERS_BUCKET, obj=info.nuid)
+    return await read_object(js, subjects.ADAPTERS_BUCKET, info)
+
+
+async def read_object(js: JetStreamContext, bucket: str, info: ObjectInfo) -> bytes:
+    """The chunks ``info`` names in object store ``bucket``, message by message (no consumer),
+    checked against its size and digest: ``AdapterNotFound`` when it is purged meanwhile,
+    ``AdapterError`` when it does not match; NATS's own errors pass through."""
+    stream = OBJ_STREAM_TEMPLATE.format(bucket=bucket)
+    chunks = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=bucket, obj=info.nuid)
     size = info.size or 0
     # Streamed into a buffer: ``data += chunk`` would be quadratic in the size.
     buffer = io.BytesIO()
@@ -209,13 +216,13 @@ async def read_adapter(js: JetStreamContext, info: ObjectInfo) -> bytes:
         try:
             msg = await js.get_msg(stream, seq=seq, subject=chunks, next=True)
         except NotFoundError as exc:  # purged: deleted (or replaced) since its metadata was read
-            raise AdapterNotFound(f"adapter {info.name!r} was deleted while it was read") from exc
+            raise AdapterNotFound(f"{info.name!r} in {bucket} was deleted while it was read") from exc
         data = msg.data or b""
         buffer.write(data)
         digest.update(data)
         seq = (msg.seq or seq) + 1  # the server always says which message it returned
     if buffer.tell() != size or (info.digest and digest.digest() != _digest_bytes(info.digest)):
-        raise AdapterError(f"adapter {info.name!r} does not match its size and digest in the store")
+        raise AdapterError(f"{info.name!r} does not match its size and digest in {bucket}")
     return buffer.getvalue()
 
 

@@ -21,16 +21,15 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import io
 import json
 
 from nats.js import JetStreamContext
 from nats.js.api import ObjectInfo
 from nats.js.errors import NotFoundError
-from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE, OBJ_META_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE
+from nats.js.object_store import OBJ_META_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE
 
 from artery.shared import subjects
-from artery.shared.adapters import MAX_ADAPTER_BYTES
+from artery.shared.adapters import MAX_ADAPTER_BYTES, AdapterError, AdapterNotFound, read_object
 from artery.shared.errors import DependencyUnavailable, InvalidMessage
 
 BUCKET = subjects.TRAINER_STATE_BUCKET
@@ -140,25 +139,14 @@ async def get(
 
 
 async def _read_chunks(js: JetStreamContext, found: ObjectInfo) -> bytes:
-    chunks = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=BUCKET, obj=found.nuid)
-    size = found.size or 0
-    buffer = io.BytesIO()  # ``data += chunk`` would be quadratic in the size
-    seq = 1
-    while buffer.tell() < size:
-        try:
-            msg = await js.get_msg(_STREAM, seq=seq, subject=chunks, next=True)
-        except NotFoundError as exc:  # purged: deleted or replaced since its metadata was read
-            raise InvalidMessage("not_found", f"{found.name!r} was deleted while it was read") from exc
-        except Exception as exc:
-            raise DependencyUnavailable(f"{BUCKET}: reading {found.name!r} failed: {exc!r}") from exc
-        buffer.write(msg.data or b"")
-        seq = (msg.seq or seq) + 1  # the server always says which message it returned
-    data = buffer.getvalue()
-    if len(data) != size or (found.digest and found.digest != nats_digest(data)):
-        raise InvalidMessage(
-            "sha256_mismatch", f"{found.name!r} does not match its size and digest in {BUCKET}"
-        )
-    return data
+    try:
+        return await read_object(js, BUCKET, found)
+    except AdapterNotFound as exc:  # purged: deleted or replaced since its metadata was read
+        raise InvalidMessage("not_found", str(exc)) from exc
+    except AdapterError as exc:
+        raise InvalidMessage("sha256_mismatch", str(exc)) from exc
+    except Exception as exc:
+        raise DependencyUnavailable(f"{BUCKET}: reading {found.name!r} failed: {exc!r}") from exc
 
 
 async def newest_step(js: JetStreamContext, project: str, model: str, start: int) -> int | None:
