@@ -17,18 +17,24 @@ Backend: ``nccl`` on CUDA (each process on ``cuda:<LOCAL_RANK>``), ``gloo`` on C
 
     torchrun --standalone --nproc-per-node 2 -m artery.services.trainer.distributed step.json
 
-``ARTERY_TRAINER_WORLD_SIZE`` is the world size ``launch`` uses when given none. The trainer
-service still takes its steps in one process; SFT steps are not sharded. Every process must run
-the whole step: a worker stopped alone between micro-batches would leave the others waiting.
+``ARTERY_TRAINER_WORLD_SIZE`` is the world size ``launch`` uses when given none, and the trainer
+service's: above 1, each GRPO step of the service goes through ``train_over_processes`` (the policy
+in memory saved, trained by the processes, rank 0's result loaded back into the same object); SFT
+steps stay in the service's process. Every process must run the whole step: a worker stopped alone
+between micro-batches would leave the others waiting, so such a step is never cancelled midway (it
+finishes or fails as a whole). On CUDA, the processes take ``cuda:0`` to ``cuda:<world_size - 1>``
+(``LOCAL_RANK``) whatever device the service names, each with its own copy of the base model.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import torch
@@ -36,7 +42,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from artery.schemas import TrainConfig, Trajectory
-from artery.services.trainer.policy import OptimSettings, Policy, StepResult
+from artery.services.trainer.lora import LoraSettings
+from artery.services.trainer.policy import ADAPTER_DIR, TRAINER_STATE, OptimSettings, Policy, StepResult
 from artery.services.trainer.sequences import TrainingSequence
 from artery.services.trainer.settings import PREFIX, TrainerSettings
 from artery.shared.settings import load
@@ -55,12 +62,18 @@ class DistributedStep(msgspec.Struct, kw_only=True, frozen=True):
     output_dir: str
     #: A checkpoint to restore first (``Policy.save``'s directory); None: a fresh adapter of ``seed``.
     restore_from: str | None = None
+    #: The adapter's shape; None: the base model's default (a warm start's own).
+    lora: LoraSettings | None = None
+    optim: OptimSettings = msgspec.field(default_factory=OptimSettings)
     device: str = "cpu"
     #: torch dtype name (``float32``, ``bfloat16``); None: the policy's default for the device.
     dtype: str | None = None
     seed: int = 0
-    micro_batch_size: int = 8
     temperature: float = 1.0
+    #: Asynchronous mode (``Policy.train_step``'s ``off_policy``).
+    off_policy: bool = False
+    #: The model's chat-template variables, which inference rendered the sampled prompts with.
+    chat_template_kwargs: dict[str, Any] = {}
     #: CPU threads per process (0: torch's default).
     torch_threads: int = 0
 
@@ -109,18 +122,22 @@ def run_worker(step: DistributedStep) -> StepResult:
         torch.set_num_threads(step.torch_threads)
     dist.init_process_group(backend=backend_for(device))
     try:
-        optim = OptimSettings(micro_batch_size=step.micro_batch_size)
         if step.restore_from is not None:
             policy = Policy.restore(
-                step.restore_from, step.base_model, optim=optim, device=device, dtype=step.dtype
+                step.restore_from, step.base_model, step.lora, step.optim, device=device, dtype=step.dtype
             )
         else:
             policy = Policy.create(
-                step.base_model, optim=optim, device=device, dtype=step.dtype, seed=step.seed
+                step.base_model, step.lora, step.optim, device=device, dtype=step.dtype, seed=step.seed
             )
         policy.data_parallel = ProcessGroupParallel(dist.get_rank(), dist.get_world_size())
         result = policy.train_step(
-            step.groups, step.config, max_seq_len=step.max_seq_len, temperature=step.temperature
+            step.groups,
+            step.config,
+            max_seq_len=step.max_seq_len,
+            temperature=step.temperature,
+            off_policy=step.off_policy,
+            chat_template_kwargs=step.chat_template_kwargs,
         )
         if dist.get_rank() == 0:
             policy.save(step.output_dir)
@@ -155,6 +172,53 @@ def launch(
     if done.returncode != 0:
         raise RuntimeError(f"distributed step failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
     return msgspec.json.decode(Path(step.output_dir, RESULT_FILE).read_bytes(), type=StepResult)
+
+
+def train_over_processes(
+    policy: Policy,
+    groups: list[list[Trajectory]],
+    config: TrainConfig,
+    *,
+    world_size: int,
+    workdir: str | os.PathLike,
+    max_seq_len: int,
+    temperature: float = 1.0,
+    off_policy: bool = False,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    torch_threads: int = 0,
+) -> StepResult:
+    """``policy.train_step`` over ``world_size`` processes: ``policy`` is saved under ``workdir``
+    (an empty directory), every process restores it and trains its shard, and rank 0's adapter,
+    optimizer state and step are loaded back into ``policy`` itself (whoever holds it sees the
+    trained policy). ``policy`` is left as it was when the step fails (``RuntimeError``).
+
+    Not cancellable: the processes run the whole step. The RNG state stays this process's (the
+    step draws none unless LoRA dropout is set, and then each process draws its own)."""
+    workdir = Path(workdir)
+    start, trained = workdir / "start", workdir / "trained"
+    policy.save(start)
+    step = DistributedStep(
+        base_model=policy.base_model_path,
+        groups=groups,
+        config=config,
+        max_seq_len=max_seq_len,
+        output_dir=str(trained),
+        restore_from=str(start),
+        lora=policy.lora,
+        optim=policy.optim,
+        device=str(policy.device),
+        dtype=str(policy.model.get_input_embeddings().weight.dtype).removeprefix("torch."),
+        seed=policy.seed,
+        temperature=temperature,
+        off_policy=off_policy,
+        chat_template_kwargs=dict(chat_template_kwargs or {}),
+        torch_threads=torch_threads,
+    )
+    result = launch(step, world_size, spec_path=workdir / "step.json")
+    policy.load_adapter_weights(trained / ADAPTER_DIR)
+    policy.load_optimizer_state(trained)
+    policy.step = int(json.loads((trained / TRAINER_STATE).read_text())["step"])
+    return result
 
 
 def main(argv: list[str]) -> int:

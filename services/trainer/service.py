@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -53,6 +54,7 @@ from opentelemetry import trace
 from artery.schemas import (
     ModelRecord,
     TrainCompleted,
+    TrainConfig,
     TrainFailed,
     TrainRequest,
     TrainRequested,
@@ -69,8 +71,9 @@ from artery.services.trainer.budgets import (
     check_trajectories,
     memory_limit_bytes,
 )
+from artery.services.trainer.distributed import train_over_processes
 from artery.services.trainer.lease import Holder, LeaseLost, Leases, ModelLease
-from artery.services.trainer.policy import StepCancelled
+from artery.services.trainer.policy import StepCancelled, StepResult
 from artery.services.trainer.schedule import (
     Deferred,
     DeferringConsumer,
@@ -520,7 +523,14 @@ class Trainer(ConsumingService):
         ``prepared``: its sequences, from ``_prepare`` (else the policy makes them).
 
         Prompts are rendered with the model's ``chat_template_kwargs``, the ones the SDK sends
-        with every completion request: inference rendered the sampled turns' prompts with them."""
+        with every completion request: inference rendered the sampled turns' prompts with them.
+
+        With ``world_size`` above 1, a GRPO step runs data-parallel over that many processes
+        (``distributed.train_over_processes``), which train the policy's saved state and load
+        theirs back into ``policy``, the object the cache holds; SFT steps stay in this process.
+        Such a step cannot be interrupted: ``should_stop`` is asked before it starts, then the
+        whole step finishes or fails (a stop or a lost lease is noticed after it; a failure while
+        stopping hands the request back, as a cancelled step)."""
         template = record.chat_template_kwargs
         if isinstance(request, TrainSFTRequested):
             trajectories = [t for group in groups for t in group]
@@ -542,6 +552,20 @@ class Trainer(ConsumingService):
                 groups, model=request.model, current_step=step, max_steps_off_policy=limit
             )
             extra = report.metrics()
+        if self.settings.world_size > 1:
+            if should_stop is not None and should_stop():
+                raise StepCancelled("the trainer is stopping")
+            try:
+                result = await asyncio.to_thread(
+                    self._train_over_processes, policy, record, groups, request.config, off_policy
+                )
+            except RuntimeError as exc:
+                # The workers share the service's process group: a terminal's Ctrl-C ends them
+                # too. Handed back then, never refused for good like a failing step.
+                if should_stop is not None and should_stop():
+                    raise StepCancelled("the trainer stopped during the distributed step") from exc
+                raise
+            return result, extra
         result = await asyncio.to_thread(
             policy.train_step,
             groups,
@@ -554,6 +578,27 @@ class Trainer(ConsumingService):
             prepared=prepared,
         )
         return result, extra
+
+    def _train_over_processes(
+        self, policy, record: ModelRecord, groups: list, config: TrainConfig, off_policy: bool
+    ) -> StepResult:
+        """One GRPO step over ``world_size`` processes, from a scratch directory beside the
+        model's steps (the same disk as its checkpoints, which are as large)."""
+        root = checkpoints.model_dir(self.settings, record)
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=".distributed-", dir=root) as workdir:
+            return train_over_processes(
+                policy,
+                groups,
+                config,
+                world_size=self.settings.world_size,
+                workdir=workdir,
+                max_seq_len=self.settings.max_seq_len,
+                temperature=self.settings.temperature,
+                off_policy=off_policy,
+                chat_template_kwargs=record.chat_template_kwargs,
+                torch_threads=self.settings.torch_threads,
+            )
 
     async def _prepare(self, policy, step: int, request: TrainRequest, record: ModelRecord, groups: list):
         """The request's sequences, made and checked against the budgets (``BudgetExceeded``)."""

@@ -45,8 +45,9 @@ class TrainerSettings(msgspec.Struct, kw_only=True, frozen=True):
     world_size: Annotated[
         int,
         doc(
-            "processes one GRPO step runs data-parallel over (torch.distributed: gloo on cpu, nccl on"
-            " cuda) when launched through the distributed step's entry point; the service trains in one",
+            "processes each GRPO step runs data-parallel over (torch.distributed, launched by torchrun:"
+            " gloo on cpu, nccl on cuda:0 to cuda:<world_size - 1>); such a step cannot be stopped"
+            " midway, it finishes or fails whole. SFT steps train in the service's process",
             ge=1,
         ),
     ] = 1
