@@ -29,6 +29,7 @@ library.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import os
 import select
@@ -276,6 +277,60 @@ def at_exit(hook: Callable[[], None]) -> int:
         token = next(_tokens)
         _hooks[token] = hook
     return token
+
+
+def wake_loop_on_signals(loop) -> bool:
+    """Make every signal wake ``loop`` (an asyncio event loop run by the main thread; call from it).
+
+    Python runs a signal's handler in the main thread, when that thread next runs Python code. The
+    kernel may hand a signal sent to the process to any thread that does not block it, an
+    executor's idle worker say; the main thread, asleep in the loop's ``select`` with nothing
+    scheduled, then never runs the handler: ``asyncio.run``'s SIGINT handler (which cancels the
+    program's main task) or ``_end_by_signal`` (which stops the stack) wait for the loop's next
+    timer, minutes away or never. A wakeup fd read by the loop ends that sleep for any signal;
+    the handlers then run as usual. Kept as it is when something already set one (asyncio's own
+    ``add_signal_handler`` does): that one wakes the loop too. False when nothing was set."""
+    import socket
+
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    reader, writer = socket.socketpair()
+    reader.setblocking(False)
+    writer.setblocking(False)
+    try:
+        previous = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+    except ValueError:  # not the main thread of the main interpreter after all
+        reader.close()
+        writer.close()
+        return False
+    global _wakeup
+    ours = _wakeup is not None and previous == _wakeup[1].fileno()
+    if previous != -1 and not ours:
+        signal.set_wakeup_fd(previous)
+        reader.close()
+        writer.close()
+        return False
+    if _wakeup is not None:  # an earlier loop's (a second asyncio.run): this one reads it now
+        old_reader, old_writer, old_loop = _wakeup
+        with contextlib.suppress(Exception):  # that loop may be closed already
+            old_loop.remove_reader(old_reader.fileno())
+        old_reader.close()
+        old_writer.close()
+
+    def drain() -> None:
+        try:
+            while reader.recv(4096):
+                pass
+        except (BlockingIOError, InterruptedError):
+            pass
+
+    loop.add_reader(reader.fileno(), drain)
+    _wakeup = (reader, writer, loop)  # open while the fd is set: until a later loop's call
+    return True
+
+
+#: ``wake_loop_on_signals``'s socket pair and the loop that reads it.
+_wakeup: tuple | None = None
 
 
 def cancel(token: int) -> None:

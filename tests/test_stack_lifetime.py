@@ -256,3 +256,47 @@ def test_services_never_reach_for_a_model_hub(tmp_path, monkeypatch):
     assert Stack(home=tmp_path / "a").service_env()["HF_HUB_OFFLINE"] == "1"
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     assert Stack(home=tmp_path / "b").service_env()["HF_HUB_OFFLINE"] == "0"
+
+
+SIGNAL_TO_A_WORKER = textwrap.dedent(
+    """
+    import asyncio, signal, sys, threading
+
+    from artery.shared import lifeline
+
+
+    async def main(wake: bool) -> None:
+        loop = asyncio.get_running_loop()
+        if wake:
+            lifeline.wake_loop_on_signals(loop)
+        idle = threading.Event()
+
+        def worker() -> None:  # an executor's idle thread, as the stack's start leaves one
+            idle.wait()
+            # Where the kernel may deliver a signal sent to the process: here, not the main thread.
+            signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+
+        threading.Thread(target=worker, daemon=True).start()
+        loop.call_soon(idle.set)  # once the main task waits below, with nothing scheduled
+        await asyncio.Event().wait()
+
+
+    asyncio.run(main(sys.argv[1] == "wake"))
+    """
+)
+
+
+def test_a_signal_delivered_to_another_thread_still_ends_an_idle_program(tmp_path):
+    """The cause of a rare hang of the SIGINT case above: Ctrl-C landed on an idle worker thread
+    and the main thread, asleep in the event loop's select with nothing scheduled, never ran
+    asyncio.run's handler. With ``wake_loop_on_signals`` (LocalBackend sets it) the signal wakes
+    the loop, the handler cancels the main task, and the program ends as Ctrl-C ends it."""
+    proc = subprocess.run(
+        [sys.executable, "-c", SIGNAL_TO_A_WORKER, "wake"],
+        capture_output=True,
+        text=True,
+        timeout=END_TIMEOUT_S,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == -signal.SIGINT, proc.stderr
+    assert "KeyboardInterrupt" in proc.stderr

@@ -92,6 +92,9 @@ class LocalBackend(Backend):
             # Armed before the start, from this (usually the main) thread, where signal handlers
             # can be set: a program that ends while the stack starts stops what had started.
             self._exit_hook = lifeline.at_exit(self.stack.stop)
+            # The stack's start below leaves an idle executor thread: a signal the kernel hands
+            # to it must still wake this loop, or its handler (Ctrl-C's) never runs.
+            lifeline.wake_loop_on_signals(asyncio.get_running_loop())
             # Starting servers blocks for about a second: keep the event loop free meanwhile.
             await asyncio.to_thread(self.stack.start)
             if self.stack.console_url:  # where to watch the run: said once, like ART's W&B link
