@@ -55,6 +55,9 @@ PROGRAM = textwrap.dedent(
 
     # A program that does not end when asked shows where it is stuck (see ended()).
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # Ctrl-C live, as a terminal starts a program: one started in the background by a shell
+    # without job control (a CI job, say) inherits SIGINT ignored, and Python leaves it so.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     asyncio.run(main(sys.argv[1], sys.argv[2], sys.argv[3] == "replica"))
     """
 )
@@ -281,6 +284,7 @@ SIGNAL_TO_A_WORKER = textwrap.dedent(
         await asyncio.Event().wait()
 
 
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # live, whoever started us
     asyncio.run(main(sys.argv[1] == "wake"))
     """
 )
