@@ -13,6 +13,7 @@ import contextlib
 import os
 import signal
 import sys
+import uuid
 from collections.abc import Callable, Coroutine
 from typing import Any, NoReturn
 
@@ -36,6 +37,10 @@ SHUTDOWN_GRACE_S = 10.0
 TRACE_FLUSH_S = 3.0
 #: The exit status of a service refused an invalid setting (a crash exits 1).
 CONFIG_EXIT_STATUS = 2
+#: This process among every process that ever ran: its NATS readiness ping carries it, so a peer
+#: can tell a live process from a dead one even where pids and addresses repeat (in Kubernetes
+#: every container's service may be pid 1 on 0.0.0.0:9464).
+INSTANCE_ID = uuid.uuid4().hex
 #: The connection ``connect_service`` made, by service: the NATS readiness service answers on it.
 _connections: dict[str, nats.NATS] = {}
 
@@ -76,7 +81,7 @@ async def _announce_when_ready(service: str, metrics_url: str | None) -> NatsRea
     nc = _connections.get(service)
     if nc is None or HEALTH.stopping:
         return None
-    metadata = {"service": service, "pid": str(os.getpid())}
+    metadata = {"service": service, "pid": str(os.getpid()), "instance": INSTANCE_ID}
     if metrics_url:
         metadata["metrics_url"] = metrics_url
     readiness = NatsReadiness(nc, subjects.HEALTH_SERVICE.format(service=service), metadata)

@@ -14,6 +14,7 @@ import asyncio
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import msgspec
@@ -22,8 +23,9 @@ import pytest
 from artery.ops.service_process import ServiceProcess
 from artery.schemas import PauseInference, ResumeInference, TrainCompleted
 from artery.services.collector.store import StoredGroup, write_groups
-from artery.services.trainer.lease import Holder, LeaseLost, Leases
+from artery.services.trainer.lease import RENEW_EVERY_S, Holder, LeaseLost, Leases
 from artery.shared import subjects
+from artery.shared.health import NatsReadiness
 from artery.shared.models import TINY
 from tests.factories import register_trainable
 from tests.test_trainer_budgets import Answers, request
@@ -111,6 +113,39 @@ async def test_a_worker_restarted_under_its_id_takes_its_former_lease_over(nc, j
     assert resumed is not None
     assert await one.acquire("p", "other") is None
     await resumed.release()
+
+
+async def test_a_dead_holder_is_told_from_a_live_worker_with_the_same_pid_and_address(nc, js):
+    """In Kubernetes every trainer may be pid 1 at ``0.0.0.0:9464``: the ping's instance id, not
+    the pid and address, tells whether the holder still runs. While its instance answers the
+    model stays held; once it is gone the asking worker, with the same pid and address, takes
+    the model over instead of waiting out the TTL."""
+    kv = await js.key_value(subjects.TRAINER_LEASES_BUCKET)
+    key = subjects.model_key("p", "m")
+    same = {"pid": "1", "metrics_url": "http://0.0.0.0:9464"}
+    holder = Holder(worker="holder", instance="holder-life", **same)
+    asker = Holder(worker="asker", instance="asker-life", **same)
+    entry_revision = await kv.create(key, msgspec.json.encode(holder))
+    service = subjects.HEALTH_SERVICE.format(service="trainer")
+    pings = {
+        h.instance: NatsReadiness(nc, service, {"service": "trainer", "instance": h.instance, **same})
+        for h in (holder, asker)
+    }
+    for readiness in pings.values():
+        await readiness.start()
+    try:
+        leases = Leases(nc, asker)
+        # The revision has outlived a renewal and a half: the holder gets judged by its ping.
+        leases._seen = {(key, entry_revision): time.monotonic() - 2 * RENEW_EVERY_S}
+        assert await leases.acquire("p", "m") is None  # its instance answers: alive
+        await pings.pop(holder.instance).stop()
+        taken = await leases.acquire("p", "m")
+        assert taken is not None
+        assert msgspec.json.decode((await kv.get(key)).value, type=Holder) == asker
+        await taken.release()
+    finally:
+        for readiness in pings.values():
+            await readiness.stop()
 
 
 @pytest.mark.timeout(900)

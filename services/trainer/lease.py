@@ -55,15 +55,20 @@ class LeaseLost(Exception):
 
 
 class Holder(msgspec.Struct, frozen=True, kw_only=True):
-    """Who holds a model: the worker's id, and what its NATS service ping answers with (its pid
-    and ``/metrics`` URL, ``shared.runtime``) so that others can tell whether it still runs."""
+    """Who holds a model: the worker's id, and what its NATS service ping answers with (its
+    process's ``instance`` id, ``shared.runtime.INSTANCE_ID``) so that others can tell whether it
+    still runs. ``pid`` and ``metrics_url`` identify holders recorded by trainers that predate
+    ``instance``; they are not unique across hosts (every container may be pid 1 on one port)."""
 
     worker: str
+    instance: str = ""
     pid: str = ""
     metrics_url: str = ""
 
     def answers(self, ping: dict) -> bool:
         metadata = ping.get("metadata") or {}
+        if self.instance:
+            return metadata.get("instance") == self.instance
         return bool(self.pid) and (metadata.get("pid"), metadata.get("metrics_url") or "") == (
             self.pid,
             self.metrics_url,

@@ -13,7 +13,7 @@ from artery.services.trainer.base_models import ANY, EMBEDDED
 from artery.services.trainer.settings import PREFIX, TrainerSettings, worker_id
 from artery.shared.auth import nats_connect_options
 from artery.shared.models import limit_torch_threads
-from artery.shared.runtime import run_service
+from artery.shared.runtime import INSTANCE_ID, run_service
 from artery.shared.service_runner import serve_consumers
 from artery.shared.settings import CommonSettings, load
 
@@ -32,6 +32,7 @@ async def start(common: CommonSettings, stop: asyncio.Event) -> None:
     # whether the holder of a model's lease still runs.
     holder = Holder(
         worker=worker_id(settings),
+        instance=INSTANCE_ID,
         pid=str(os.getpid()),
         metrics_url=structlog.contextvars.get_contextvars().get("metrics_url") or "",
     )
