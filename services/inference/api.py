@@ -25,7 +25,6 @@ from __future__ import annotations
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterable, AsyncIterator
 
 import msgspec
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -57,14 +56,12 @@ from artery.services.inference.openai_types import (
 from artery.services.inference.serving import Resolved, ServingState
 from artery.services.inference.settings import DEFAULT_MAX_BODY_BYTES
 from artery.services.inference.streaming import EngineStream, sse_events
+from artery.services.inference.wire import traced
 from artery.services.inference.wire import translate_errors as _translate_errors
 from artery.shared.health import HEALTH
 from artery.shared.logs import get_logger
-from artery.shared.metrics import REPLICA_QUEUE_DEPTH
-from artery.shared.tracing import extract, tracer
 
 log = get_logger(__name__)
-_tracer = tracer("inference")
 
 
 def create_app(state: ServingState, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
@@ -125,27 +122,7 @@ def create_app(state: ServingState, *, max_body_bytes: int = DEFAULT_MAX_BODY_BY
 
     @v1.post("/chat/completions")
     async def chat_completions(http: Request) -> Response:
-        span = _tracer.start_span(
-            "inference.chat_completion", context=extract(http.headers), kind=trace.SpanKind.SERVER
-        )
-        streaming = False
-        REPLICA_QUEUE_DEPTH.inc()
-        try:
-            with trace.use_span(span, record_exception=True, set_status_on_exception=True):
-                try:
-                    response = await _chat_completion(http, span)
-                except ApiError as exc:
-                    span.set_attribute("http.response.status_code", exc.status)
-                    raise
-            span.set_attribute("http.response.status_code", response.status_code)
-            if isinstance(response, StreamingResponse):
-                response.body_iterator = _ending(response.body_iterator, span)
-                streaming = True
-            return response
-        finally:
-            if not streaming:  # else when the stream ends (``_ending``)
-                span.end()
-                REPLICA_QUEUE_DEPTH.dec()
+        return await traced(http, "inference.chat_completion", lambda span: _chat_completion(http, span))
 
     async def _chat_completion(http: Request, span: trace.Span) -> Response:
         request = decode_request(await http.body())
@@ -272,18 +249,6 @@ def _content_length(scope: Scope) -> int | None:
             except ValueError:  # the server refuses a malformed one before we see it
                 return None
     return None
-
-
-async def _ending(
-    chunks: AsyncIterable[str | bytes | memoryview], span: trace.Span
-) -> AsyncIterator[str | bytes | memoryview]:
-    """The streamed body; the request's span ends with it, and it leaves the queue."""
-    try:
-        async for chunk in chunks:
-            yield chunk
-    finally:
-        span.end()
-        REPLICA_QUEUE_DEPTH.dec()
 
 
 def _completion(
