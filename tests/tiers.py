@@ -43,6 +43,7 @@ TIER_OF_MODULE: dict[str, str] = {
     "test_sequences.py": "unit",
     "test_tiny_model.py": "unit",
     "test_trainer_policy.py": "unit",
+    "test_lora_slots.py": "unit",
     "test_auto_trajectory.py": "unit",
     "test_art_newest_names.py": "unit",
     # -- contract
@@ -159,6 +160,7 @@ SLOW_MODULES = frozenset(
         "test_langfuse.py",
         "test_settings_first.py",
         "test_tiny_model.py",
+        "test_lora_slots.py",
         "test_trainer_policy.py",
         "test_wandb.py",
         "test_wire_apis.py",

@@ -30,11 +30,11 @@ from artery.schemas import ModelRecord
 from artery.services.trainer.lora import warm_start_lora
 from artery.services.trainer.policy import ADAPTER_DIR, TRAINER_STATE, LoraSettings, OptimSettings, Policy
 from artery.services.trainer.settings import TrainerSettings
+from artery.services.trainer.slots import LoraSlots
 from artery.shared import trainer_state
 from artery.shared.adapters import AdapterError, check_member_name, pack_adapter
 from artery.shared.errors import DependencyUnavailable, InvalidMessage
 from artery.shared.logs import get_logger
-from artery.shared.models import resolve_base_model
 
 log = get_logger(__name__)
 STEP_FILE = "step.json"
@@ -234,7 +234,9 @@ def check_lora_unchanged(settings: TrainerSettings, record: ModelRecord, step: i
 
 
 class PolicyCache:
-    """The policy of the model last trained, kept in memory between steps (one at a time).
+    """The policies of the models trained last, kept in memory between steps: up to
+    ``settings.lora_slots`` of them, the least recently used evicted, those on one base model
+    sharing its weights (``slots``).
 
     With ``js``, each ``get`` first takes from the trainer-state store a newer step than the disk
     holds (another worker's), or the store's copy of the disk's newest step when the two differ
@@ -243,25 +245,28 @@ class PolicyCache:
     def __init__(self, settings: TrainerSettings, js: JetStreamContext | None = None):
         self.settings = settings
         self.js = js
-        self._key: tuple[str, str] | None = None
-        self._policy: Policy | None = None
-        self._step = 0
+        self.slots = LoraSlots(settings.lora_slots, settings.base_model_slots)
+        #: The model last asked for: the one whose step is running, which ``forget`` drops.
+        self._current: tuple[str, str] | None = None
 
     async def get(self, record: ModelRecord) -> tuple[Policy, int]:
         key = (record.project, record.name)
+        self._current = key
         on_disk = latest_step(self.settings, record)
-        cached = self._key == key and self._policy is not None and self._step == on_disk
+        slot = self.slots.get(key)
+        cached = slot is not None and slot.step == on_disk
         on_disk = await self._from_store(record, on_disk, cached=cached)
         try:
             check_lora_unchanged(self.settings, record, on_disk)
-            if self._key != key or self._policy is None or self._step != on_disk:
-                self._policy = await asyncio.to_thread(self._load, record, on_disk)
-                self._key, self._step = key, on_disk
+            if slot is None or slot.step != on_disk:
+                await asyncio.to_thread(self._load, record, on_disk)
+                slot = self.slots.get(key)
         except ModelUnusable:
             raise
         except ValueError as exc:  # what the record names is refused (shared.models, lora.py)
             raise ModelUnusable(f"{record.project}/{record.name}: {exc}") from exc
-        return self._policy, self._step
+        assert slot is not None  # loaded, or raised
+        return slot.policy, slot.step
 
     async def _from_store(self, record: ModelRecord, on_disk: int, *, cached: bool) -> int:
         """The step to load: ``on_disk``, or the newest one in the store, unpacked into place."""
@@ -312,20 +317,30 @@ class PolicyCache:
     def _load(self, record: ModelRecord, step: int) -> Policy:
         if record.base_model is None:  # refused before any step is asked of it (service.py)
             raise ModelUnusable(f"{record.project}/{record.name} has no base model")
-        base = resolve_base_model(record.base_model)
         lora, optim = lora_settings(self.settings, record), optim_settings(self.settings)
         if step == 0:
             log.info("new adapter", project=record.project, model=record.name, base_model=record.base_model)
-            return Policy.create(base, lora, optim, device=self.settings.device)
-        log.info("resuming", project=record.project, model=record.name, step=step)
-        return Policy.restore(
-            step_dir(self.settings, record, step), base, lora, optim, device=self.settings.device
+        else:
+            log.info("resuming", project=record.project, model=record.name, step=step)
+        return self.slots.load(
+            (record.project, record.name),
+            record.base_model,
+            lora,
+            optim,
+            device=self.settings.device,
+            checkpoint=step_dir(self.settings, record, step) if step else None,
+            step=step,
         )
 
-    def forget(self) -> None:
-        """Drop the policy in memory: the next ``get`` loads the last saved step again."""
-        self._key, self._policy, self._step = None, None, 0
+    def forget(self, record: ModelRecord | None = None) -> None:
+        """Drop ``record``'s policy (None: the model last asked for, whose step failed) from
+        memory: its next ``get`` loads its last saved step again. Other models keep their slots:
+        a step of one never touches another's adapter or optimizer."""
+        key = (record.project, record.name) if record is not None else self._current
+        if key is not None:
+            self.slots.drop(key)
 
     def advance(self, record: ModelRecord, step: int) -> None:
-        if self._key == (record.project, record.name):
-            self._step = step
+        slot = self.slots.get((record.project, record.name))
+        if slot is not None:
+            slot.step = step

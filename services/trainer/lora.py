@@ -7,6 +7,9 @@ was written on; everywhere else it is transformers + ``peft.get_peft_model``.
 A warm start (the model's ``base_model`` is a PEFT adapter directory, ``shared.models.warm_start``)
 loads the adapter's base weights and the adapter itself as the trainable LoRA, always through
 PEFT: step 0 is the adapter, training continues from its weights, and its shape is the model's.
+
+``load_base`` and ``attach_lora`` are the two halves of ``load_peft``: ``slots`` loads a base once
+and attaches the adapters of several models to it, each under a name of its own.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ DEFAULT_TARGET_MODULES: tuple[str, ...] = (
     "down_proj",
     "lm_head",
 )
+#: The adapter's name in a PEFT model of its own; a shared base names each model's differently.
+DEFAULT_ADAPTER = "default"
 #: Unsloth's ``max_seq_length`` (ART's default); only the Unsloth path uses it.
 UNSLOTH_MAX_SEQ_LENGTH = 32768
 
@@ -89,25 +94,61 @@ def warm_start_lora(base_model: str | None) -> LoraSettings | None:
 
 
 def load_peft(path: str, lora: LoraSettings, dtype: torch.dtype, device: torch.device) -> tuple[Any, Any]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path(path))
+    return attach_lora(load_base(path, dtype, device), DEFAULT_ADAPTER, path, lora), tokenizer
+
+
+def base_weights_path(path: str) -> str:
+    """Where the base weights that ``path`` trains on are: ``path`` itself, or a warm start's base."""
+    from artery.shared.models import warm_start
+
+    warm = warm_start(path)
+    return warm.base_path() if warm is not None else path
+
+
+def tokenizer_path(path: str) -> str:
+    """The tokenizer of a model trained on ``path`` (a warm start's own when it carries one)."""
+    from artery.shared.models import warm_start
+
+    warm = warm_start(path)
+    return warm.tokenizer_path() if warm is not None else path
+
+
+def load_base(path: str, dtype: torch.dtype, device: torch.device) -> Any:
+    """The base model ``path`` trains on, without an adapter."""
+    from transformers import AutoModelForCausalLM
+
+    # The ignore: transformers types ``to`` as functools.wraps(Module.to), whose signature mypy
+    # reads unbound (a device is taken for ``self``).
+    return AutoModelForCausalLM.from_pretrained(base_weights_path(path), dtype=dtype).to(device)  # type: ignore[arg-type]
+
+
+def attach_lora(model: Any, name: str, path: str, lora: LoraSettings) -> Any:
+    """``model`` with the trainable adapter ``name``: a fresh one of shape ``lora`` (LoRA A drawn
+    from the global RNG, B = 0), or for a warm start the adapter ``path`` itself. ``model`` is a
+    base model (the PEFT model made of it is returned) or a PEFT model holding other adapters
+    already (``slots``: models sharing one base), which keep their weights and trainability."""
     from peft import PeftModel, get_peft_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from artery.shared.models import warm_start
 
-    # The ignores below: transformers types ``to`` as functools.wraps(Module.to), whose signature
-    # mypy reads unbound (a device is taken for ``self``).
     warm = warm_start(path)
+    if isinstance(model, PeftModel):
+        if warm is not None:
+            device = str(next(model.parameters()).device)  # else PEFT's guess, a GPU if there is one
+            model.load_adapter(
+                str(warm.adapter_dir), adapter_name=name, is_trainable=True, torch_device=device
+            )
+        else:
+            model.add_adapter(name, peft_config(lora))
+        return model
     if warm is not None:
-        tokenizer = AutoTokenizer.from_pretrained(warm.tokenizer_path())
-        base = AutoModelForCausalLM.from_pretrained(warm.base_path(), dtype=dtype).to(device)  # type: ignore[arg-type]
-        # Under the adapter name get_peft_model uses ("default"): saved steps have the same keys.
-        model = PeftModel.from_pretrained(base, str(warm.adapter_dir), is_trainable=True)
-        return model, tokenizer
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    base = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)  # type: ignore[arg-type]
+        return PeftModel.from_pretrained(model, str(warm.adapter_dir), adapter_name=name, is_trainable=True)
     # Adapter weights stay float32 on a bf16 base (PEFT's autocast_adapter_dtype): AdamW on bf16
     # LoRA weights loses small updates.
-    return get_peft_model(base, peft_config(lora)), tokenizer
+    return get_peft_model(model, peft_config(lora), adapter_name=name)
 
 
 def unsloth_available() -> bool:

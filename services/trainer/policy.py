@@ -16,6 +16,10 @@ whole optimizer step, so splitting a batch into micro-batches never changes the 
 ``Policy.restore`` rebuilds the same adapter and optimizer state, so the step after a restart is
 the step the uninterrupted run would have taken.
 
+A policy has its base model to itself (adapter ``default``), or shares it with the policies of
+other models (``slots``): then its adapter has a name of its own, ``activate`` makes it the one the
+model runs and trains, and what it saves is what a policy of its own would save.
+
 The parts live beside it: what a step computes without the model (``step``: settings, group
 advantages, micro-batches, the loss), the adapter's shape and loading (``lora``), the optimizer
 state files (``optimizer_state``), memory-lean token logprobs (``logprobs``) and heap trimming (``memory``).
@@ -47,6 +51,7 @@ from artery.schemas import TrainConfig, TrainSFTConfig, Trajectory
 from artery.services.trainer.budgets import ModelShape, StepBudget
 from artery.services.trainer.logprobs import next_token_logprobs, token_logprobs
 from artery.services.trainer.lora import (
+    DEFAULT_ADAPTER,
     DEFAULT_TARGET_MODULES,
     LoraSettings,
     effective_lora,
@@ -151,6 +156,7 @@ class Policy:
         seed: int,
         backend: str,
         base_model_path: str,
+        adapter_name: str = DEFAULT_ADAPTER,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -165,6 +171,9 @@ class Policy:
         self.step = 0
         #: Set by ``distributed``: a GRPO step shared with other processes; None trains alone.
         self.data_parallel: DataParallel | None = None
+        #: This policy's adapter in ``model``, which may hold other models' adapters (``slots``).
+        self.adapter_name = adapter_name
+        self.activate()  # only this adapter's parameters require grad: they are the optimizer's
         self.named_trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not self.named_trainable:
             raise ValueError("the adapter has no trainable parameters (do the target modules exist?)")
@@ -200,10 +209,10 @@ class Policy:
         lora = effective_lora(path, lora)
         warm = warm_start_lora(path) is not None
         torch_device = torch.device(device)
-        torch_dtype = _dtype(dtype, torch_device)
+        torch_dtype = resolve_dtype(dtype, torch_device)
         # LoRA A is drawn from the global RNG: a private fork keeps creation deterministic per seed
         # without disturbing anyone else's draws.
-        with torch.random.fork_rng(devices=_cuda_devices(torch_device)):
+        with torch.random.fork_rng(devices=cuda_devices(torch_device)):
             torch.manual_seed(seed)
             if torch_device.type == "cuda" and not warm and unsloth_available():
                 model, tokenizer = load_unsloth(path, lora, torch_dtype, seed)
@@ -237,28 +246,26 @@ class Policy:
         """The policy as ``save(directory)`` left it: adapter weights, AdamW moments and step counts,
         the policy step and the RNG state. ``optim`` hyperparameters given here win over the saved
         ones (betas, weight decay, eps: a deliberate change of settings applies from now on)."""
-        directory = Path(directory)
-        state_file = directory / TRAINER_STATE
-        if not state_file.is_file():
-            raise FileNotFoundError(
-                f"{directory}: no {TRAINER_STATE} (not a checkpoint, or an incomplete one)"
-            )
-        state = json.loads(state_file.read_text())
-        from artery.shared.models import resolve_base_model
-
-        lora = effective_lora(resolve_base_model(str(base_model_path)), lora)
-        saved_lora = state["lora"]
-        shape = (saved_lora["rank"], saved_lora["alpha"], tuple(saved_lora["target_modules"]))
-        if shape != (lora.rank, lora.alpha, lora.target_modules):
-            raise ValueError(f"{directory}: saved with LoRA {saved_lora}, asked to restore as {lora}")
+        state, lora = read_checkpoint(directory, base_model_path, lora)
         policy = cls.create(base_model_path, lora, optim, device=device, dtype=dtype, seed=state["seed"])
-        policy.load_adapter_weights(directory / ADAPTER_DIR)
-        policy.load_optimizer_state(directory)
-        policy.step = int(state["step"])
+        policy.resume(directory, state)
+        return policy
+
+    def resume(self, directory: str | os.PathLike, state: Mapping[str, Any]) -> None:
+        """Take what ``save(directory)`` wrote (``state``: its trainer state, ``read_checkpoint``)."""
+        directory = Path(directory)
+        self.load_adapter_weights(directory / ADAPTER_DIR)
+        self.load_optimizer_state(directory)
+        self.step = int(state["step"])
         rng_file = directory / RNG_TENSORS
         if rng_file.is_file():
             set_rng_state(load_file(rng_file))
-        return policy
+
+    def activate(self) -> None:
+        """Make this policy's adapter the one its model runs and trains (the others frozen): a
+        model shared by several policies (``slots``) runs whichever was activated last."""
+        if self.adapter_name != DEFAULT_ADAPTER:
+            self.model.set_adapter(self.adapter_name)
 
     # --- training ----------------------------------------------------------------------------------
 
@@ -378,6 +385,7 @@ class Policy:
     ) -> dict[str, float]:
         """One optimizer step over ``sequences``, accumulated over micro-batches. ``is_cap``: the
         samples are off-policy, corrected by truncated importance sampling at that cap."""
+        self.activate()
         model = self.model
         model.train()
         self.optimizer.zero_grad(set_to_none=True)
@@ -555,6 +563,7 @@ class Policy:
         should_stop: Callable[[], bool] | None = None,
     ) -> dict[str, float]:
         """One optimizer update on ``sequences`` at ``learning_rate``, accumulated over micro-batches."""
+        self.activate()
         model = self.model
         model.train()
         self.optimizer.zero_grad(set_to_none=True)
@@ -591,14 +600,8 @@ class Policy:
         directory.parent.mkdir(parents=True, exist_ok=True)
         partial = directory.parent / f".{directory.name}.partial-{uuid.uuid4().hex[:8]}"
         try:
-            # The frozen base lm_head would be saved too when lm_head is a target ("embedding layers
-            # found"): it is the base model's, never trained, and can be hundreds of MB.
-            self.model.save_pretrained(
-                partial / ADAPTER_DIR, safe_serialization=True, save_embedding_layers=False
-            )
-            tensors, structure = flatten_optimizer_state(
-                self.optimizer.state_dict(), [n for n, _ in self.named_trainable]
-            )
+            self._save_adapter(partial / ADAPTER_DIR)
+            tensors, structure = flatten_optimizer_state(self.optimizer.state_dict(), self._param_names())
             save_file(tensors, partial / OPTIMIZER_TENSORS)
             _write_json(partial / OPTIMIZER_JSON, structure)
             save_file(rng_state(), partial / RNG_TENSORS)
@@ -607,6 +610,27 @@ class Policy:
         finally:
             shutil.rmtree(partial, ignore_errors=True)
         return directory
+
+    def _save_adapter(self, target: Path) -> None:
+        # The frozen base lm_head would be saved too when lm_head is a target ("embedding layers
+        # found"): it is the base model's, never trained, and can be hundreds of MB.
+        own = self.adapter_name == DEFAULT_ADAPTER  # the model's only adapter: saved as always
+        selected = {} if own else {"selected_adapters": [self.adapter_name]}
+        self.model.save_pretrained(target, safe_serialization=True, save_embedding_layers=False, **selected)
+        if not own:
+            # PEFT saves a named adapter in a sub-folder of that name (the same files, keys without
+            # the name): inference loads the adapter directory itself, as a policy of its own saves it.
+            for path in (target / self.adapter_name).iterdir():
+                path.rename(target / path.name)
+            (target / self.adapter_name).rmdir()
+
+    def _param_names(self) -> list[str]:
+        """The trainable parameters' names as a policy of its own has them (adapter ``default``):
+        the optimizer state saved by a policy on a shared base restores anywhere."""
+        return [
+            ".".join(DEFAULT_ADAPTER if part == self.adapter_name else part for part in name.split("."))
+            for name, _ in self.named_trainable
+        ]
 
     def _trainer_state(self) -> dict[str, Any]:
         return {
@@ -626,17 +650,21 @@ class Policy:
         from peft import set_peft_model_state_dict
 
         weights = load_file(Path(adapter_dir) / "adapter_model.safetensors", device=str(self.device))
-        result = set_peft_model_state_dict(self.model, weights)
+        result = set_peft_model_state_dict(self.model, weights, adapter_name=self.adapter_name)
         unexpected = list(getattr(result, "unexpected_keys", []))
-        missing = [k for k in getattr(result, "missing_keys", []) if "lora_" in k]
+        # Only this adapter's keys: the model may hold other models' adapters (``slots``).
+        missing = [
+            key
+            for key in getattr(result, "missing_keys", [])
+            if "lora_" in key and self.adapter_name in key.split(".")
+        ]
         if unexpected or missing:
             raise ValueError(f"adapter does not fit: unexpected {unexpected[:5]}, missing {missing[:5]}")
 
     def load_optimizer_state(self, directory: str | os.PathLike) -> None:
         directory = Path(directory)
         structure = json.loads((directory / OPTIMIZER_JSON).read_text())
-        names = [n for n, _ in self.named_trainable]
-        if structure["param_names"] != names:
+        if structure["param_names"] != self._param_names():
             raise ValueError(f"{directory}: the optimizer state belongs to other parameters")
         tensors = load_file(directory / OPTIMIZER_TENSORS)
         self.optimizer.load_state_dict(unflatten_optimizer_state(tensors, structure))
@@ -647,6 +675,26 @@ class Policy:
 # --------------------------------------------------------------------------- internals
 
 
+def read_checkpoint(
+    directory: str | os.PathLike, base_model_path: str | os.PathLike, lora: LoraSettings | None
+) -> tuple[dict[str, Any], LoraSettings]:
+    """A checkpoint's trainer state, and the adapter shape to restore it as: ``lora`` (None: the
+    base model's default), which must be the shape it was saved with (``ValueError``)."""
+    directory = Path(directory)
+    state_file = directory / TRAINER_STATE
+    if not state_file.is_file():
+        raise FileNotFoundError(f"{directory}: no {TRAINER_STATE} (not a checkpoint, or an incomplete one)")
+    state = json.loads(state_file.read_text())
+    from artery.shared.models import resolve_base_model
+
+    lora = effective_lora(resolve_base_model(str(base_model_path)), lora)
+    saved_lora = state["lora"]
+    shape = (saved_lora["rank"], saved_lora["alpha"], tuple(saved_lora["target_modules"]))
+    if shape != (lora.rank, lora.alpha, lora.target_modules):
+        raise ValueError(f"{directory}: saved with LoRA {saved_lora}, asked to restore as {lora}")
+    return state, lora
+
+
 def _stop_if_asked(optimizer: torch.optim.Optimizer, should_stop: Callable[[], bool] | None) -> None:
     """Between micro-batches: drop the gradients gathered so far and raise ``StepCancelled``."""
     if should_stop is not None and should_stop():
@@ -654,7 +702,8 @@ def _stop_if_asked(optimizer: torch.optim.Optimizer, should_stop: Callable[[], b
         raise StepCancelled("the trainer is stopping")
 
 
-def _dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
+def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
+    """``dtype`` as a torch dtype; None: bfloat16 on a GPU that has it, else float32."""
     if isinstance(dtype, str):
         return getattr(torch, dtype)
     if dtype is not None:
@@ -664,7 +713,8 @@ def _dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype
     return torch.float32
 
 
-def _cuda_devices(device: torch.device) -> list[int]:
+def cuda_devices(device: torch.device) -> list[int]:
+    """The GPU of ``device``, for ``torch.random.fork_rng``; none on the CPU."""
     if device.type != "cuda":
         return []
     return [device.index if device.index is not None else torch.cuda.current_device()]

@@ -28,6 +28,23 @@ class TrainerSettings(msgspec.Struct, kw_only=True, frozen=True):
     lora_target_modules: Annotated[
         str, doc("comma-separated modules to adapt (lm_head included: tiny models need it)")
     ] = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head"
+    lora_slots: Annotated[
+        int,
+        doc(
+            "models a worker keeps in memory between steps, least recently used evicted (each step"
+            " is saved: an evicted model resumes from it); models on the same base model share one"
+            " copy of its weights, each its own LoRA adapter and optimizer",
+            ge=1,
+        ),
+    ] = 4
+    base_model_slots: Annotated[
+        int,
+        doc(
+            "base models a worker keeps in memory at once (each a whole model's weights): a model"
+            " on another base evicts the least recently used models until one fits",
+            ge=1,
+        ),
+    ] = 1
     pause_lease_s: Annotated[float, doc("lease of the inference pause; renewed while training", gt=0)] = 120.0
     pause_timeout_s: Annotated[float, doc("how long to wait for every replica's pause ack", gt=0)] = 30.0
     group_wait_s: Annotated[
