@@ -10,6 +10,9 @@ are exported to ``ARTERY_OTEL_ENDPOINT`` when set). Each group goes out in an
 ``artery.submit_group`` span, the child of the current span (or, outside any, of the group's own
 ``artery.group`` span), so the collector continues the trace; ``train()`` runs in an
 ``artery.train`` span whose ``train.requested`` links the trainer's step to every group.
+
+Long module: one class, the SDK's side of each exchange with a running Artery (publish, train and
+its outcome, the wait until a step is served, registration), each a few methods read in order.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from artery.schemas import (
 from artery.shared import bus, subjects
 from artery.shared.auth import secret_value
 from artery.shared.permissions import provision_if_missing
-from artery.shared.registry import models_kv, project_replicas, read_record, served_by_updates
+from artery.shared.registry import models_kv, project_replicas, read_record, served_by_all
 from artery.shared.registry import register as register_model
 from artery.shared.settings import CommonSettings
 from artery.shared.tracing import (
@@ -70,8 +73,21 @@ SFT_GROUP_SIZE = 64
 _tracer = tracer("artery.sdk")
 #: Waits driven by events still look again this often, in case an event was missed.
 _RECHECK_S = 2.0
-#: Set by ``train()``: where ``publish`` notes the span of each submission.
-_submissions: contextvars.ContextVar[list | None] = contextvars.ContextVar("artery_submissions", default=None)
+
+
+class _Submission:
+    """What ``publish`` tells the ``train()`` around it: the spans its request links to, and the
+    model's step as read for the groups, which the request carries too (read once, not twice)."""
+
+    def __init__(self) -> None:
+        self.spans: list[trace.SpanContext] = []
+        self.step: int | None = None
+
+
+#: Set by ``train()``: where ``publish`` notes the span of each submission and the step it read.
+_submissions: contextvars.ContextVar[_Submission | None] = contextvars.ContextVar(
+    "artery_submissions", default=None
+)
 
 
 class Backend(S3Transport):
@@ -190,9 +206,10 @@ class Backend(S3Transport):
                 submitted.append(span.get_span_context())
         # Retried unchanged until acked: a lost ack (a NATS node failing over) never stores twice.
         await bus.publish_until_acked(await self._js(), messages)
-        spans = _submissions.get()
-        if spans is not None:  # inside train(): its request links to these spans
-            spans.extend(submitted)
+        submission = _submissions.get()
+        if submission is not None:  # inside train(): its request links to these spans
+            submission.spans.extend(submitted)
+            submission.step = step
         return [e.id for e in events]
 
     async def train(
@@ -262,7 +279,7 @@ class Backend(S3Transport):
         envelope and the group ids), await its outcome, then wait until the new step is served."""
         attributes = {"artery.project": model.project, "artery.model": model.name}
         with _tracer.start_as_current_span(span_name, attributes=attributes) as span:
-            submitted: list[trace.SpanContext] = []
+            submitted = _Submission()
             token = _submissions.set(submitted)
             try:
                 group_ids = await self.publish(model, groups, split="train")
@@ -278,7 +295,9 @@ class Backend(S3Transport):
                     id=new_event_id(),
                     project=model.project,
                     model=model.name,
-                    step=await self._get_step(model),
+                    # The policy version publish() read for the groups: the request names the
+                    # same, without a second registry round trip on the way of every step.
+                    step=submitted.step if submitted.step is not None else await self._get_step(model),
                     group_ids=group_ids,
                 )
                 # Both kinds of request go to the same subject (the trainer tells them apart by
@@ -287,7 +306,7 @@ class Backend(S3Transport):
                     nc.jetstream(),
                     subjects.train("requested", model.project, model.name),
                     request,
-                    headers=link_headers({}, submitted),
+                    headers=link_headers({}, submitted.spans),
                 )
                 outcome = await self._await_outcome(sub, request.id, timeout_s)
             finally:
@@ -325,11 +344,16 @@ class Backend(S3Transport):
 
         Woken by the replicas' registry entries changing (a replica writes its entry the moment it
         serves a new step), not by a timer; the registry is read again at least every
-        ``_RECHECK_S`` in case a change was missed (a reconnect)."""
+        ``_RECHECK_S`` in case a change was missed (a reconnect).
+
+        The replica list is read while the replicas still load the step; the entry that wakes
+        this wait usually completes the answer with that list, and the list is read again (the
+        control plane asked, a round trip on the way of every step) only when it does not."""
         name = model.get_inference_name(step)
         keys = subjects.replica_keys(model.project, model.name)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
+        replicas: list[ReplicaInfo] | None = None
         async with woken_by(
             await self._connect(),
             subjects.kv_updates(subjects.REPLICAS_BUCKET, keys),
@@ -337,12 +361,14 @@ class Backend(S3Transport):
         ) as wake:
             while True:
                 wake.clear()  # before reading: a change during the read wakes the next wait
-                replicas = await project_replicas(await self._js(), model.project, model.name)
-                # The entry that woke us counts as read: the stream stores a put after plain
+                # The entries heard count as read: the stream stores a put after plain
                 # subscribers hear it, so a read right after the wake-up can miss it, and
                 # nothing else would come before the safety net (the missed wake-ups of #31).
-                heard = served_by_updates(wake.latest.values())
-                if all(name in r.served or name in heard.get(r.replica_id, ()) for r in replicas):
+                if replicas is not None and served_by_all(name, replicas, wake.latest.values(), joined=True):
+                    wake.satisfied()
+                    return
+                replicas = await project_replicas(await self._js(), model.project, model.name)
+                if served_by_all(name, replicas, wake.latest.values(), joined=False):
                     wake.satisfied()
                     return
                 remaining = deadline - loop.time()

@@ -14,7 +14,8 @@ returns once the replica serves the new step. The time is split into:
   JetStream and acked);
 - request + group wait: the rest until ``train.completed`` arrives here, less the trainer's own
   ``step_total_s``: the request through JetStream, the trainer waiting until the collector has
-  stored the groups (it polls PostgreSQL every 100 ms), and the completion coming back;
+  stored the groups (a request that comes first is woken by their ``group.ready``), and the
+  completion coming back;
 - pause / training / save: the trainer's ``pause_s`` (pausing every replica, after loading the
   policy on its first step), ``step_time_s`` (the GRPO step) and ``save_s`` (adapter and
   optimizer state written);
@@ -23,6 +24,13 @@ returns once the replica serves the new step. The time is split into:
 - until served: ``train.completed`` received until ``model.train()`` returns: the publisher's
   Object Store upload and ``checkpoint.published``, the replica's fetch and load, and its registry
   entry, which wakes the SDK.
+
+``phases_mean_s`` follows the hand-offs as this process hears them (``EventClock``: plain
+subscriptions to ``group.ready``, ``checkpoint.saved``, ``checkpoint.published``, the replicas'
+registry entries and ``train.completed``): the groups stored, the request until the step starts,
+the step until ``checkpoint.saved``, then until ``train.completed`` and until the publisher's
+``checkpoint.published``, until a replica's entry serves the step, and until ``train()`` returns.
+They locate the waiting; the parts above define it.
 
 "Rest" is what the brief of this benchmark asks for: ``model.train()`` less the three parts the
 trainer reports (pause, training, save). ``--warmup`` iterations run first and are not counted
@@ -54,14 +62,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import nats
 
 import artery as art
 from artery.pipeline_trainer import make_group_rollout_fn
 from artery.pipeline_trainer.presets import one_step_ahead
 from artery.pipeline_trainer.step_meter import freshness_discount
+from artery.schemas import CheckpointPublished, CheckpointSaved, GroupReady
 from artery.shared import subjects
 from artery.shared.models import TINY
+from artery.shared.registry import served_by_updates
 from artery.shared.wakeup import fallbacks_fired
 from artery.testing.tasks import half_alphabet_reward, half_alphabet_task_prompt
 from loadtests import harness
@@ -83,6 +94,16 @@ PARTS = (
     "until_served",
 )
 TRAINER_PARTS = ("pause", "training", "save")
+#: The hand-offs of an iteration, as heard here (``EventClock``): where its waiting goes.
+PHASES = (
+    "groups_stored",
+    "request_until_step",
+    "step_until_saved_announced",
+    "saved_until_completed",
+    "saved_until_published",
+    "published_until_replica_serves",
+    "replica_serves_until_train_returns",
+)
 #: Issue #31: the synchronous loop computes (generates or trains) at least 90% of its wall time.
 GOAL_SYNC_WAITING_SHARE = 0.10
 
@@ -104,7 +125,8 @@ class TimedBackend(art.LocalBackend):
     when each step's optimizer work ran (from the trainer's own figures and its completion)."""
 
     published_at = 0.0
-    clock: CompletionClock
+    published_ids: list[str] = []
+    clock: EventClock
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -117,19 +139,14 @@ class TimedBackend(art.LocalBackend):
     async def publish(self, model, groups, *, split: str = "train") -> list[str]:
         ids = await super().publish(model, groups, split=split)
         self.published_at = time.perf_counter()
+        self.published_ids = ids
         return ids
 
     async def train(self, model, groups, **kwargs):
         arrivals = len(self.clock.arrivals)
         result = await super().train(model, groups, **kwargs)
-        # The clock's subscription may deliver a moment after the SDK's own: wait for it.
-        for _ in range(200):
-            if len(self.clock.arrivals) > arrivals:
-                break
-            await asyncio.sleep(0.005)
-        completed_at = (
-            self.clock.arrivals[arrivals] if len(self.clock.arrivals) > arrivals else time.perf_counter()
-        )
+        # The clock's subscription may deliver a moment after the SDK's own: woken by it.
+        completed_at = await self.clock.completion(arrivals)
         m = result.metrics
         sampled = [t.initial_policy_version for g in groups for t in g]
         ages = [(result.step - 1 - v, 1) for v in sampled if v is not None]
@@ -228,20 +245,69 @@ def goals(modes: dict[str, dict[str, float]], fallbacks: int) -> dict:
     }
 
 
-class CompletionClock:
-    """When each ``train.completed`` of the model reached this process (its own connection)."""
+class EventClock:
+    """When each hand-off of the loop reached this process (its own connection, plain
+    subscriptions): the collector's ``group.ready`` (by group id), the trainer's
+    ``checkpoint.saved`` and ``train.completed``, the publisher's ``checkpoint.published`` and the
+    first registry entry of a replica that serves a step (by served name). The phases of an
+    iteration are read from these; nothing here waits on them."""
 
     def __init__(self) -> None:
-        self.arrivals: list[float] = []
+        self.arrivals: list[float] = []  # train.completed, in order
+        self._completed = asyncio.Condition()
+        self.stored: dict[str, float] = {}
+        self.saved: dict[int, float] = {}
+        self.published: dict[str, float] = {}
+        self.served: dict[str, float] = {}
         self._nc: nats.NATS | None = None
 
     async def start(self, nats_url: str) -> None:
         self._nc = await nats.connect(nats_url, name="bench-loop-clock")
-        await self._nc.subscribe(subjects.train("completed", PROJECT, MODEL), cb=self._on_completed)
+        replica_updates = subjects.kv_updates(subjects.REPLICAS_BUCKET, subjects.replica_keys(PROJECT, MODEL))
+        handlers = {
+            subjects.train("completed", PROJECT, MODEL): self._on_completed,
+            subjects.group_ready(PROJECT, MODEL): self._on_stored,
+            subjects.checkpoint("saved", PROJECT, MODEL): self._on_saved,
+            subjects.checkpoint("published", PROJECT, MODEL): self._on_published,
+            replica_updates: self._on_replica,
+        }
+        for subject, handler in handlers.items():
+            await self._nc.subscribe(subject, cb=handler)
         await self._nc.flush()
 
     async def _on_completed(self, msg) -> None:
-        self.arrivals.append(time.perf_counter())
+        async with self._completed:
+            self.arrivals.append(time.perf_counter())
+            self._completed.notify_all()
+
+    async def completion(self, index: int, timeout_s: float = 5.0) -> float:
+        """When the ``index``-th ``train.completed`` arrived (now, if it has not within
+        ``timeout_s``: the SDK heard it, so this connection is only behind)."""
+        async with self._completed:
+            try:
+                arrived = self._completed.wait_for(lambda: len(self.arrivals) > index)
+                await asyncio.wait_for(arrived, timeout_s)
+            except TimeoutError:
+                return time.perf_counter()
+        return self.arrivals[index]
+
+    async def _on_stored(self, msg) -> None:
+        self.stored.setdefault(msgspec.json.decode(msg.data, type=GroupReady).group_id, time.perf_counter())
+
+    async def _on_saved(self, msg) -> None:
+        step = msgspec.json.decode(msg.data, type=CheckpointSaved).step
+        if step is not None:
+            self.saved.setdefault(step, time.perf_counter())
+
+    async def _on_published(self, msg) -> None:
+        name = msgspec.json.decode(msg.data, type=CheckpointPublished).served_name
+        self.published.setdefault(name, time.perf_counter())
+
+    async def _on_replica(self, msg) -> None:
+        now = time.perf_counter()
+        for names in served_by_updates([msg]).values():
+            for name in names:
+                self.served.setdefault(name, now)
 
     async def close(self) -> None:
         if self._nc is not None:
@@ -274,7 +340,7 @@ async def generate(model: art.TrainableModel, config: Config, step: int) -> list
 
 
 async def iteration(
-    model: art.TrainableModel, backend: TimedBackend, clock: CompletionClock, config: Config
+    model: art.TrainableModel, backend: TimedBackend, clock: EventClock, config: Config
 ) -> dict[str, float]:
     step = await model.get_step()  # the policy sampled from (train() returns once it serves)
     started = time.perf_counter()
@@ -299,9 +365,28 @@ async def iteration(
         "trainer_other": step_total - m["pause_s"] - m["step_time_s"] - m["save_s"],
         "until_served": finished - completed_at,
     }
+    step_started = completed_at - step_total
+    trained = step_started + m["pause_s"] + m["step_time_s"] + m["save_s"]
+    name = model.get_inference_name(result.step)
+    saved_at = clock.saved.get(result.step, completed_at)
+    published_at = clock.published.get(name, completed_at)
+    served_at = clock.served.get(name, finished)
+    stored_at = max(clock.stored.get(i, backend.published_at) for i in backend.published_ids)
+    # Where the waiting goes, hand-off by hand-off (from the events as this process heard them):
+    # a finer split of the parts above; the last four overlap the trainer's bookkeeping.
+    phases = {
+        "groups_stored": stored_at - backend.published_at,
+        "request_until_step": step_started - backend.published_at,
+        "step_until_saved_announced": saved_at - trained,
+        "saved_until_completed": completed_at - saved_at,
+        "saved_until_published": published_at - saved_at,
+        "published_until_replica_serves": served_at - published_at,
+        "replica_serves_until_train_returns": finished - served_at,
+    }
     rewards = [t.reward for g in groups for t in g]
     return {
         **parts,
+        **{f"phase_{k}": v for k, v in phases.items()},
         "train_call": finished - generated,
         "rest": (finished - generated) - sum(parts[p] for p in TRAINER_PARTS),
         "total": finished - started,
@@ -317,7 +402,7 @@ async def run(config: Config, home: Path) -> dict:
     model = art.TrainableModel(
         name=MODEL, project=PROJECT, base_model=config.base_model, base_path=str(home / "artery")
     )
-    clock = CompletionClock()
+    clock = EventClock()
     async with stopping(backend, log_lines=10):
         try:
             started = time.perf_counter()
@@ -325,7 +410,7 @@ async def run(config: Config, home: Path) -> dict:
             startup_s = time.perf_counter() - started
             await clock.start(backend.stack.nats_url or "")
             backend.clock = clock
-            fired_before = sum(fallbacks_fired().values())
+            fired_before = fallbacks_fired()
             for _ in range(config.warmup):
                 await iteration(model, backend, clock, config)
             first_step = len(backend.tokens_trained)
@@ -334,12 +419,15 @@ async def run(config: Config, home: Path) -> dict:
                 "sync": sync_mode(measured, config, backend, first_step),
                 "async": await async_mode(model, backend, config),
             }
-            fallbacks = sum(fallbacks_fired().values()) - fired_before
+            fired = {w: n - fired_before.get(w, 0) for w, n in fallbacks_fired().items()}
+            by_waiter = {w: n for w, n in fired.items() if n}
+            fallbacks = sum(by_waiter.values())
         finally:
             await clock.close()
     reached = goals(modes, fallbacks)
     missed = [f"{k}: {g['reached']} against {g['goal']}" for k, g in reached.items() if g["status"] != "PASS"]
     means = {k: statistics.fmean(it[k] for it in measured) for k in (*PARTS, "train_call", "rest", "total")}
+    phases = {k: statistics.fmean(it[f"phase_{k}"] for it in measured) for k in PHASES}
     return {
         "benchmark": "loop",
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
@@ -359,6 +447,8 @@ async def run(config: Config, home: Path) -> dict:
         "startup_s": round(startup_s, 3),
         "mean_s": {k: round(v, 4) for k, v in means.items()},
         "share": {k: round(means[k] / means["total"], 4) for k in (*PARTS, "rest")},
+        # The hand-offs, from the events as this process heard them (mean seconds; see PHASES).
+        "phases_mean_s": {k: round(v, 4) for k, v in phases.items()},
         # The same work, synchronous (pause, train, serve, then sample again) and asynchronous
         # (PipelineTrainer, one step off policy): rollouts/s, steps/s, and the share of wall time
         # in which neither generation nor training computed.
@@ -368,6 +458,7 @@ async def run(config: Config, home: Path) -> dict:
         ),
         # Missed wake-ups of the SDK's waits over the whole run (warm-up and both modes).
         "fallbacks_fired": fallbacks,
+        "fallbacks_by_waiter": by_waiter,
         "goals": reached,
         "goal_met": not missed,
         "goal_missed": missed,
@@ -422,6 +513,15 @@ def render(result: dict) -> str:
         ),
     ]
     rewards = ", ".join(f"{it['reward_mean']:.2f}" for it in its)
+    phase_rows: list[tuple[str, ...]] = [("hand-off (as heard here)", "mean ms", "median", "min", "max")]
+    for phase in PHASES:
+        phase_rows.append(
+            (
+                phase.replace("_", " "),
+                f"{result['phases_mean_s'][phase] * 1000:,.1f}",
+                *_spread([it[f"phase_{phase}"] for it in its]),
+            )
+        )
     return "\n".join(
         [
             f"loop: {c['iterations']} iterations (+{c['warmup_iterations']} warm-up) of "
@@ -433,6 +533,8 @@ def render(result: dict) -> str:
             f"stack + replica started in {result['startup_s']:.1f} s",
             "",
             *table(rows, right={1, 2, 3, 4, 5}),
+            "",
+            *table(phase_rows, right={1, 2, 3, 4}),
             "",
             f"mean reward per iteration: {rewards}",
             "",

@@ -214,3 +214,15 @@ def served_by_updates(messages: Iterable[Msg]) -> dict[str, list[str]]:
             continue
         served[info.replica_id] = list(info.served)
     return served
+
+
+def served_by_all(name: str, listed: list[ReplicaInfo], heard: Iterable[Msg], *, joined: bool) -> bool:
+    """Whether every replica serves ``name``, by the list read or by its newest registry entry
+    ``heard`` since. ``joined``: the list may be old, so a replica heard of that it does not name
+    (one started since) must serve it too; a list read just now is the whole membership (an entry
+    heard of a replica gone since would otherwise hold a wait until its timeout)."""
+    updates = served_by_updates(heard)
+    served = {r.replica_id: r.served for r in listed}
+    if joined:
+        served.update({replica: [] for replica in updates.keys() - served.keys()})
+    return all(name in names or name in updates.get(replica, ()) for replica, names in served.items())

@@ -3,16 +3,27 @@ news itself, and every fallback that does fire is counted, so a missed wake-up f
 
 from __future__ import annotations
 
+import asyncio
+
+import msgspec
 import pytest
+from nats.aio.msg import Msg
 
 import artery as art
-from artery.schemas import ReplicaInfo
+from artery import backend as artery_backend
+from artery.schemas import GroupReady, ReplicaInfo, TrainCompleted, TrainRequested, new_event_id
+from artery.services.collector.store import StoredGroup, write_groups
+from artery.services.trainer import service as trainer_service
 from artery.shared import subjects
+from artery.shared.bus import publish_event
 from artery.shared.codec import encode
 from artery.shared.models import TINY
 from artery.shared.registry import served_by_updates
 from artery.shared.wakeup import fallbacks_fired, woken_by
 from artery.testing.agents import half_alphabet_rollout
+from tests.factories import register_trainable
+from tests.test_trainer_budgets import Answers, request, running_trainer, settings_for
+from tests.test_trainer_fairness import text_group
 
 
 async def test_only_a_timeout_followed_by_a_true_condition_is_a_fallback(nc):
@@ -81,3 +92,138 @@ def test_the_loop_benchmark_misses_its_goal_when_a_fallback_fired():
     missed = goals(modes, 1)
     assert missed["fallbacks_fired"] == {"goal": 0, "reached": 1, "status": "MISSED"}
     assert goals({"sync": {"waiting_share": 0.2}}, 0)["sync_waiting_share"]["status"] == "MISSED"
+
+
+def _trajectory(reward: float) -> art.Trajectory:
+    messages = [{"role": "user", "content": "say a"}, {"role": "assistant", "content": "a"}]
+    return art.Trajectory(messages_and_choices=messages, reward=reward)
+
+
+async def test_train_reads_the_step_and_the_replica_list_once(nats_server, js, monkeypatch):
+    """Every read on the way of a step is waiting, not work (#31). This test is the trainer and the
+    replica: the request names the step ``publish`` read for the groups (no second registry read),
+    and the replica list is read once, while the replica still loads; the entry that then says it
+    serves the step wakes ``train()``, which returns without asking for the list again."""
+    project, name = "reads", "agent"
+    kv = await js.key_value(subjects.REPLICAS_BUCKET)
+    key = subjects.replica_key(project, name, "r1")
+    loading = ReplicaInfo(replica_id="r1", project=project, model=name, engine="e", url="u", served=[name])
+    await kv.put(key, encode(loading))
+
+    requests: list[TrainRequested] = []
+
+    async def trainer(msg) -> None:
+        request = msgspec.json.decode(msg.data, type=TrainRequested)
+        requests.append(request)
+        done = TrainCompleted(
+            id=new_event_id(), project=project, model=name, step=1, request_id=request.id, metrics={}
+        )
+        await js._nc.publish(subjects.train("completed", project, name), msgspec.json.encode(done))
+
+    await js._nc.subscribe(subjects.train("requested", project, name), cb=trainer)
+    await js._nc.flush()
+
+    backend = art.Backend(nats_url=nats_server.url)
+    step_reads, list_reads = [], []
+    read_step, read_list = backend._get_step, artery_backend.project_replicas
+    listed = asyncio.Event()
+
+    async def counted_step(model):
+        step_reads.append(model.name)
+        return await read_step(model)
+
+    async def counted_list(*args, **kwargs):
+        replicas = await read_list(*args, **kwargs)
+        list_reads.append([r.served for r in replicas])
+        listed.set()
+        return replicas
+
+    async def replica_loads() -> None:
+        await listed.wait()  # the SDK has the list and waits: the replica now serves the step
+        await kv.put(key, encode(msgspec.structs.replace(loading, served=[name, f"{name}@1"])))
+
+    monkeypatch.setattr(backend, "_get_step", counted_step)
+    monkeypatch.setattr(artery_backend, "project_replicas", counted_list)
+    model = art.TrainableModel(name=name, project=project, base_model=TINY)
+    before = fallbacks_fired()
+    loads = asyncio.create_task(replica_loads())
+    try:
+        result = await backend.train(model, [art.TrajectoryGroup([_trajectory(0.0), _trajectory(1.0)])])
+    finally:
+        await backend.close()
+    await loads
+    assert result.step == 1
+    assert [r.step for r in requests] == [0] and step_reads == [name]
+    assert list_reads == [[[name]]], "the replica list was read again after the entry woke train()"
+    assert fallbacks_fired() == before
+
+
+def _entry(replica: str, served: list[str], op: str | None = None) -> Msg:
+    info = ReplicaInfo(replica_id=replica, project="p", model="m", engine="e", url="u", served=served)
+    headers = {"KV-Operation": op} if op else None
+    return Msg(
+        _client=None, subject=f"$KV.x.p.m.{replica}", data=b"" if op else encode(info), headers=headers
+    )
+
+
+def test_a_step_is_served_by_every_replica_listed_or_heard_of():
+    """The entries heard while ``train()`` waits complete the replica list it read: a replica heard
+    of that an older list does not name (started since) must serve the step too; after a fresh
+    read the list is the membership, so the entry of a replica gone since holds nothing up."""
+    from artery.shared.registry import served_by_all
+    from artery.shared.wakeup import Wakeup
+
+    listed = [ReplicaInfo(replica_id="r1", project="p", model="m", engine="e", url="u", served=["m"])]
+    wake = Wakeup()
+    wake.heard(_entry("r1", ["m", "m@1"]))
+    assert served_by_all("m@1", listed, wake.latest.values(), joined=True)
+    wake.heard(_entry("r2", ["m"]))  # a replica started since the list was read, not serving yet
+    assert not served_by_all("m@1", listed, wake.latest.values(), joined=True)
+    assert served_by_all(
+        "m@1", listed, wake.latest.values(), joined=False
+    )  # a fresh list does not name it: gone
+    wake.heard(_entry("r2", ["m", "m@1"]))
+    assert served_by_all("m@1", listed, wake.latest.values(), joined=True)
+    wake.heard(_entry("r1", [], op="DEL"))  # r1 stopped: its listed entry, older, does not serve
+    assert not served_by_all("m@1", listed, wake.latest.values(), joined=True)
+
+
+async def test_a_request_that_comes_before_its_groups_trains_when_they_are_stored(
+    nc, js, db, database_url, tmp_path, monkeypatch
+):
+    """The SDK publishes a request right behind its groups, so the trainer often finds them not
+    stored yet. Their ``group.ready`` wakes its check again: the step does not wait for a hand-back
+    on a timer (made 120 s here, so that only the wake-up can start the step in time)."""
+    monkeypatch.setattr(trainer_service, "recheck_delay", lambda *_: 120.0)
+    monkeypatch.setattr(trainer_service, "FIRST_RECHECK_S", 120.0)
+    found_missing = asyncio.Event()
+    check = trainer_service.Trainer._waits_for_groups
+
+    async def watched(self, msg, request):
+        waits = await check(self, msg, request)
+        if waits:
+            found_missing.set()
+        return waits
+
+    monkeypatch.setattr(trainer_service.Trainer, "_waits_for_groups", watched)
+    await register_trainable(js, "early", "agent", TINY)
+    groups = [text_group("early", "agent", seed) for seed in range(2)]
+    async with (
+        Answers(js, "early", "agent") as answers,
+        running_trainer(nc, database_url, settings_for(tmp_path)),
+    ):
+        sent = await request(js, "early", "agent", [g.id for g in groups])
+        await asyncio.wait_for(found_missing.wait(), 60)
+        await write_groups(db, [StoredGroup.of(g, None) for g in groups])
+        for group in groups:  # as the collector announces a group once its rows are committed
+            ready = GroupReady(
+                id=new_event_id(),
+                project="early",
+                model="agent",
+                group_id=group.id,
+                num_trajectories=len(group.trajectories),
+                rewards=[t.reward for t in group.trajectories],
+            )
+            await publish_event(js, subjects.group_ready("early", "agent"), ready)
+        completed = await answers.of(sent.id, timeout=60)
+    assert isinstance(completed, TrainCompleted) and completed.step == 1
