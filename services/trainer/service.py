@@ -75,6 +75,7 @@ from artery.services.trainer.distributed import train_over_processes
 from artery.services.trainer.lease import Holder, LeaseLost, Leases, ModelLease
 from artery.services.trainer.policy import StepCancelled, StepResult
 from artery.services.trainer.schedule import (
+    FIRST_RECHECK_S,
     Deferred,
     DeferringConsumer,
     Later,
@@ -98,9 +99,12 @@ from artery.shared.errors import DependencyUnavailable, InvalidMessage
 from artery.shared.logs import get_logger
 from artery.shared.registry import read_record
 from artery.shared.subscriber import Attributes, Delivery, Subscriber
+from artery.shared.wakeup import Wakeup
 
 log = get_logger(__name__)
 SERVICE = "trainer"
+#: What says a group is stored (and judged, where it is): the news a waiting request wakes on.
+GROUP_NEWS = (subjects.group_ready, subjects.group_scored)
 TRAINER_CONSUMER = "trainer"
 #: A request whose model another worker of the pool is training is looked at again this soon.
 LEASED_RECHECK_S = 0.5
@@ -158,6 +162,8 @@ class Trainer(ConsumingService):
         self.db = ServicePool(dsn, max_size=2)
         # Resumes a model from the newest step any worker of the pool saved (the trainer-state store).
         self.policies = checkpoints.PolicyCache(settings, self.js)
+        self.groups_heard = Wakeup("trainer_groups")
+        self._awaited: set[str] = set()  # the group subjects of the requests in hand now
         self.subscriber: Subscriber[TrainRequest] = Subscriber(
             TrainRequest,
             service=SERVICE,
@@ -189,7 +195,17 @@ class Trainer(ConsumingService):
 
     async def start(self) -> None:
         await self.db.open()
+        # The SDK publishes a request right behind its groups, so a request often arrives a few
+        # ms before the collector has stored them: the news of a stored (or judged) group of a
+        # waiting request's model wakes the check again, instead of a hand-back on a timer.
+        for news in GROUP_NEWS:
+            await self.nc.subscribe(news("*", "*"), cb=self._on_group)
+        await self.nc.flush()
         await super().start()
+
+    async def _on_group(self, msg: Msg) -> None:
+        if msg.subject in self._awaited:
+            self.groups_heard.heard(msg)
 
     def stop(self) -> None:
         self.stopping.set()
@@ -203,6 +219,8 @@ class Trainer(ConsumingService):
         outcomes: list[BaseException | None] = [None] * len(items)
         ready: list[int] = []
         waiting: Counter[str] = Counter()  # per project, to spread its waiting requests out
+        self._awaited = {news(r.project, r.model) for r, _ in items for news in GROUP_NEWS}
+        self.groups_heard.clear()
         for index, (request, ctx) in enumerate(items):
             try:
                 if await self._waits_for_groups(ctx.msg, request):
@@ -215,6 +233,9 @@ class Trainer(ConsumingService):
                     ready.append(index)
             except Exception as exc:  # this message's own outcome, whatever it is (errors.py)
                 outcomes[index] = exc
+        if not ready:
+            ready = await self._woken_by_groups(items, outcomes)
+        self._awaited = set()
         if not ready:
             return outcomes
         chosen, lease = await self._lease_one(items, ready, outcomes)
@@ -239,6 +260,28 @@ class Trainer(ConsumingService):
         finally:
             await lease.release()
         return outcomes
+
+    async def _woken_by_groups(
+        self, items: list[tuple[TrainRequest, Delivery]], outcomes: list[BaseException | None]
+    ) -> list[int]:
+        """The waiting requests found ready when their groups' news came within
+        ``FIRST_RECHECK_S`` (the soonest a hand-back would have looked again); their outcomes
+        are cleared. None found: the hand-backs stand."""
+        deadline = time.monotonic() + FIRST_RECHECK_S
+        ready: list[int] = []
+        while not ready and await self.groups_heard.wait(deadline - time.monotonic()):
+            self.groups_heard.clear()
+            for index, outcome in enumerate(outcomes):
+                if not isinstance(outcome, Deferred):
+                    continue
+                request, ctx = items[index]
+                try:
+                    if not await self._waits_for_groups(ctx.msg, request):
+                        outcomes[index] = None
+                        ready.append(index)
+                except Exception as exc:  # its own outcome, as in the first check
+                    outcomes[index] = exc
+        return ready
 
     async def _lease_one(
         self, items: list[tuple[TrainRequest, Delivery]], ready: list[int], outcomes: list
