@@ -70,10 +70,14 @@ async def publish_checkpoint(
         raise ValueError(f"a record of project {record.project} has no base model")
     project, model = request.project, request.model
     adapter, state = await asyncio.to_thread(_step_archives, settings, record, step)
-    await trainer_state.put(js, trainer_state.object_name(project, model, step, trainer_state.STATE), state)
-    del state
     name = trainer_state.object_name(project, model, step, trainer_state.ADAPTER)
-    await trainer_state.put(js, name, adapter)
+    # Both stored before the announcement: a worker resuming this model after a crash finds the
+    # state of every step announced (a step trained again would be announced under the same id).
+    await asyncio.gather(
+        trainer_state.put(js, trainer_state.object_name(project, model, step, trainer_state.STATE), state),
+        trainer_state.put(js, name, adapter),
+    )
+    del state
     await publish_event(
         js,
         subjects.checkpoint("saved", project, model),
