@@ -8,11 +8,22 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
-from loadtests import control_plane, inference, ingest, loop, scale_out, trainer_memory, trainer_step
+from loadtests import (
+    control_plane,
+    inference,
+    ingest,
+    loop,
+    scale_out,
+    serving,
+    trainer_memory,
+    trainer_step,
+)
 
 BENCHMARKS: dict[str, Callable[[list[str]], dict]] = {
     "ingest": ingest.main,
     "inference": inference.main,
+    # After inference: both write loadtests/results/inference.json, each keeping the other's keys.
+    "serving": serving.main,
     "trainer_step": trainer_step.main,
     "trainer_memory": trainer_memory.main,
     "loop": loop.main,

@@ -5,7 +5,7 @@
   ``LocalBackend``'s services drained and stopped after a run), ``tail`` of a log;
 - the result: ``load_average`` and ``machine`` (under what the figures were taken), ``report``
   (print the table, write the JSON), ``table``, ``percentile``, ``summary_ms``, ``version``;
-- where the CPU went: ``CpuMeter`` and ``proc_cpu_s`` (Linux ``/proc``);
+- where the CPU went: ``CpuMeter``, ``proc_cpu_s``, ``tree_cpu_s``, ``machine_busy_s`` (Linux ``/proc``);
 - realistic wire objects: ``build_trajectory``, ``build_group`` (also the tests' factories).
 """
 
@@ -190,7 +190,12 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def _machine_busy_s() -> float:
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds of a process and its descendants (a vLLM server's engine core is a child)."""
+    return proc_cpu_s(pid) + sum(tree_cpu_s(child) for child in _children(pid))
+
+
+def machine_busy_s() -> float:
     """CPU seconds the whole machine spent busy (all cores, everything but idle and iowait)."""
     try:
         fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
@@ -219,7 +224,7 @@ class CpuMeter:
         if self.postgres_pid:
             parts["postgres"] = [self.postgres_pid, *_children(self.postgres_pid)]
         out = {name: sum(proc_cpu_s(pid) for pid in pids) for name, pids in parts.items()}
-        out["machine"] = _machine_busy_s()
+        out["machine"] = machine_busy_s()
         return out
 
     @staticmethod

@@ -33,8 +33,9 @@ replicas, ``torch.set_num_threads`` here): with a small model on a machine that 
 shares, threads that wait on each other are the first thing to slow down.
 
 Long module: one benchmark, read top to bottom: throughput against two baselines, pause and resume,
-adapter loading, and the vLLM comparison, then the result and its table. What every benchmark
-shares is ``loadtests/harness.py``.
+adapter loading, then the result and its table. The serving comparison at SmolLM2 scale (vLLM,
+``vllm serve``, the default serving path) is ``loadtests/serving.py``; it writes into the same
+result file. What every benchmark shares is ``loadtests/harness.py``.
 """
 
 from __future__ import annotations
@@ -46,7 +47,6 @@ import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -61,10 +61,9 @@ from artery.schemas import CheckpointPublished, new_event_id
 from artery.shared import bus, subjects
 from artery.shared.adapters import pack_adapter, put_adapter, sha256_hex
 from artery.shared.control_client import live_replicas, pause_replicas, resume_replicas
-from artery.shared.embedded import stop_process
-from artery.shared.models import SMOLLM2, TINY, resolve_base_model
+from artery.shared.models import TINY, resolve_base_model
 from artery.shared.settings import CommonSettings
-from loadtests import harness
+from loadtests import harness, serving
 from loadtests.harness import (
     STOP_TIMEOUT_S,
     CpuMeter,
@@ -595,140 +594,7 @@ def render(result: dict) -> str:
     )
 
 
-# --- vLLM: Artery's replica against vLLM's own OpenAI server ---------------------------------
-
-#: The engine arguments Artery's VLLMEngine gives vLLM on the CPU, for the reference server.
-VLLM_SERVE_ARGS = (
-    "--dtype", "float32",
-    "--enable-lora", "--max-lora-rank", "16", "--max-loras", "4",
-    "--logprobs-mode", "processed_logprobs", "--no-enable-chunked-prefill",
-)  # fmt: skip
-
-
-async def _wait_http(url: str, proc, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    async with httpx.AsyncClient(timeout=5) as client:
-        while True:
-            if proc is not None and proc.poll() is not None:
-                raise RuntimeError(f"the vLLM server exited with code {proc.returncode}")
-            with contextlib.suppress(httpx.HTTPError):
-                if (await client.get(f"{url}/v1/models")).status_code == 200:
-                    return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{url} not up within {timeout_s}s")
-            await asyncio.sleep(0.5)
-
-
-async def _compare_vllm(urls: dict[str, str], concurrency: int, rounds: int, max_tokens: int) -> dict:
-    batch = prompts(concurrency)
-    timed: dict[str, list[Round]] = {name: [] for name in urls}
-    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=concurrency * 2)) as client:
-        # Both asked for logprobs, as a trainer's agent asks (Artery's replica computes them always).
-        for url in urls.values():  # warm-up
-            await chat_round(client, url, batch, max_tokens, logprobs=True)
-        for _ in range(rounds):  # interleaved: a burst of other load hits both alike
-            for name, url in urls.items():
-                timed[name].append(await chat_round(client, url, batch, max_tokens, logprobs=True))
-    out = {}
-    for name, measured in timed.items():
-        seconds = sum(r.seconds for r in measured)
-        tokens = sum(r.tokens for r in measured)
-        latencies = [s for r in measured for s in r.latencies]
-        out[name] = {
-            "tokens": tokens,
-            "seconds": round(seconds, 3),
-            "tokens_per_s": round(tokens / seconds, 1),
-            "median_round_tokens_per_s": round(statistics.median(r.tokens / r.seconds for r in measured), 1),
-            "request_latency": summary_ms(latencies),
-        }
-    return out
-
-
-def vllm_vs_serve(base_model: str, concurrency: int, rounds: int, max_tokens: int, output: Path) -> dict:
-    """Artery's replica on the vLLM engine (``.venv-vllm``) and ``python -m
-    vllm.entrypoints.openai.api_server`` from the same venv, same weights and engine settings;
-    rounds of ``concurrency`` chats to each in turn. Adds ``vllm_vs_vllm_serve`` (the tokens/s
-    ratio, Artery over vLLM's server) and ``vllm_cpu`` (the figures) to ``output``."""
-    from artery.ops.stack import inference_python
-    from artery.shared.embedded import free_port
-
-    python = inference_python({**os.environ, "ARTERY_INFERENCE_ENGINE": "vllm"})
-    load_before = load_average()
-    model_path = resolve_base_model(base_model)
-    with tempfile.TemporaryDirectory(prefix="artery-bench-vllm-") as home:
-        stack = Stack(home=Path(home), services=())
-        server = None
-        try:
-            stack.start_infrastructure()
-            port = free_port()
-            stack.start_service(
-                "replica-vllm",
-                service="inference",
-                env={
-                    "ARTERY_INFERENCE_PROJECT": PROJECT,
-                    "ARTERY_INFERENCE_MODEL": MODEL,
-                    "ARTERY_INFERENCE_BASE_MODEL": base_model,
-                    "ARTERY_INFERENCE_ENGINE": "vllm",
-                    "ARTERY_INFERENCE_PORT": str(port),
-                },
-            )
-            serve_port = free_port()
-            with open(Path(home) / "vllm-serve.log", "wb") as log:
-                server = subprocess.Popen(
-                    [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
-                     "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(serve_port),
-                     *VLLM_SERVE_ARGS],
-                    env={"VLLM_CPU_KVCACHE_SPACE": "2", **os.environ},
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )  # fmt: skip
-            stack.processes["replica-vllm"].wait_ready(600)
-            urls = {"artery_vllm": f"http://127.0.0.1:{port}", "vllm_serve": f"http://127.0.0.1:{serve_port}"}
-            asyncio.run(_wait_http(urls["vllm_serve"], server, 600))
-            figures = asyncio.run(_compare_vllm(urls, concurrency, rounds, max_tokens))
-        except BaseException:
-            for log in (stack.logs / "replica-vllm.log", Path(home) / "vllm-serve.log"):
-                if lines := tail(log, 15):
-                    print(f"{log.name} (last lines):\n{lines}", file=sys.stderr)
-            raise
-        finally:
-            if server is not None:
-                stop_process(server, signal.SIGTERM, 30)
-            stop_all(stack)
-    ratio = round(figures["artery_vllm"]["tokens_per_s"] / figures["vllm_serve"]["tokens_per_s"], 3)
-    result = json.loads(output.read_text()) if output.exists() else {}
-    result["vllm_vs_vllm_serve"] = ratio
-    result["vllm_cpu"] = {
-        "base_model": base_model,
-        "concurrency": concurrency,
-        "rounds": rounds,
-        "max_tokens": max_tokens,
-        "engine_args": " ".join(VLLM_SERVE_ARGS),
-        "measured_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "machine": machine(load_before),
-        **figures,
-    }
-    for name, f in figures.items():
-        print(f"{name:<12} {f['tokens_per_s']:>8} tok/s  p50 {f['request_latency']['p50']} ms  "
-              f"p99 {f['request_latency']['p99']} ms")  # fmt: skip
-    print(f"vllm_vs_vllm_serve (tokens/s, Artery on vLLM / vLLM's server): {ratio}")
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"written to {output}", flush=True)
-    return result
-
-
-@dataclass
-class VllmComparison:
-    base_model: str
-    concurrency: int
-    rounds: int
-    max_tokens: int
-    output: Path
-
-
-def parse_args(argv: list[str]) -> Config | VllmComparison:
+def parse_args(argv: list[str]) -> Config | list[str]:
     parser = harness.parser("inference", __doc__)
     parser.add_argument("--base-model", help=f"weights: a directory or {TINY} (default)")
     parser.add_argument("--concurrency", type=int, help="requests sent at once (and batch size; default 16)")
@@ -744,19 +610,21 @@ def parse_args(argv: list[str]) -> Config | VllmComparison:
     parser.add_argument(
         "--vllm-vs-serve",
         action="store_true",
-        help="only this: Artery's replica on the vLLM engine (.venv-vllm, `make setup-vllm`) against "
-        "vLLM's own OpenAI server from the same venv, on --base-model (default SmolLM2-135M-Instruct), "
-        "--concurrency chats (default 32), --rounds (default 5); adds vllm_vs_vllm_serve to --output",
+        help="only this: `python -m loadtests serving --only vllm_vs_vllm_serve` (Artery's replica on "
+        "the vLLM engine against vLLM's own OpenAI server with the same engine arguments), with "
+        "--base-model, --concurrency, --rounds, --max-tokens and --output passed on",
     )
     args = parser.parse_args(argv)
-    if args.vllm_vs_serve:
-        return VllmComparison(
-            base_model=args.base_model or SMOLLM2,
-            concurrency=args.concurrency or 32,
-            rounds=args.rounds or 5,
-            max_tokens=args.max_tokens,
-            output=args.output,
-        )
+    if args.vllm_vs_serve:  # the serving benchmark's arguments
+        given = {
+            "--base-model": args.base_model,
+            "--concurrency": args.concurrency,
+            "--rounds": args.rounds,
+            "--max-tokens": args.max_tokens,
+            "--output": args.output,
+        }
+        passed = [str(v) for k, v in given.items() if v is not None for v in (k, v)]
+        return ["--only", "vllm_vs_vllm_serve", *passed]
     picked = {
         k: getattr(args, k) if getattr(args, k) is not None else (QUICK if args.quick else DEFAULTS)[k]
         for k in DEFAULTS
@@ -798,10 +666,8 @@ def stop_all(stack: Stack) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     config = parse_args(argv_of(argv))
-    if isinstance(config, VllmComparison):
-        return vllm_vs_serve(
-            config.base_model, config.concurrency, config.rounds, config.max_tokens, config.output
-        )
+    if isinstance(config, list):
+        return serving.main(config)
     with tempfile.TemporaryDirectory(prefix="artery-bench-") as home:
         stack = Stack(home=Path(home), services=())
         try:
@@ -821,10 +687,10 @@ def main(argv: list[str] | None = None) -> dict:
             raise
         finally:
             stop_all(stack)
-    if config.output.exists():  # the --vllm-vs-serve figures are measured apart: keep them
+    if config.output.exists():  # the serving benchmark's figures share the file: keep them
         with contextlib.suppress(ValueError):
             previous = json.loads(config.output.read_text())
-            result.update({k: previous[k] for k in ("vllm_vs_vllm_serve", "vllm_cpu") if k in previous})
+            result.update({k: previous[k] for k in serving.KEPT if k in previous})
     return report(result, render, config.output)
 
 

@@ -85,3 +85,189 @@ def test_trainer_step_benchmark_quick(tmp_path):
         assert result["per_step"][part]["median_ms"] > 0
     assert result["ratios_of_medians"]["train_trl_over_artery"] > 0
     assert result["artery_steps_trained"] > 0
+
+
+# --- the serving comparison's result: pure functions on made-up figures -----------------------
+
+
+def _figures(tokens_per_s: float, median: float | None = None) -> dict:
+    return {
+        "tokens_per_s": tokens_per_s,
+        "median_round_tokens_per_s": median or tokens_per_s,
+        "request_latency": {"n": 2, "min": 5.0, "p50": 10.0, "p99": 20.0, "max": 20.0},
+    }
+
+
+def _phase(**contenders: float) -> dict:
+    return {
+        "contenders": list(contenders),
+        "figures": {name: _figures(v) for name, v in contenders.items()},
+        "cpu_s": {},
+        "other_share": 0.0,
+        "seconds": 10.0,
+        "load_average_1m_before": 1.0,
+    }
+
+
+def test_serving_ratios_come_from_the_phase_that_measured_both_sides():
+    from loadtests.serving_result import assemble
+
+    phases = [
+        _phase(hf_generate=100.0, artery_transformers=90.0),
+        _phase(artery_vllm=190.0, vllm_serve=200.0),
+        _phase(artery_default=300.0, vllm_serve_lora=320.0, hf_generate=120.0),
+        # artery_default again, beside the best server: this phase's figure, not the one above
+        _phase(artery_default=360.0, vllm_cpu_best=450.0),
+    ]
+    out = assemble(phases, {}, {"rounds": 5}, {"cpu_count": 2})
+
+    assert out["vllm_vs_vllm_serve"] == 0.95
+    assert out["default_vs_best_cpu"] == 0.8
+    assert out["default_vs_vllm_serve_lora"] == round(300 / 320, 3)
+    assert out["default_vs_hf_generate"] == 2.5
+    assert out["transformers_vs_hf_generate"] == 0.9
+    ratios = out["serving"]["ratios"]
+    assert ratios["default_vs_best_cpu"]["phase"] == 4
+    assert ratios["default_vs_best_cpu"]["artery_default"] == 360.0
+    assert ratios["default_vs_hf_generate"]["phase"] == 3
+    targets = out["serving"]["targets"]
+    assert targets["vllm_vs_vllm_serve"] == {"target": 0.95, "value": 0.95, "met": True}
+    assert targets["default_vs_best_cpu"] == {"target": 0.9, "value": 0.8, "met": False}
+
+
+def test_serving_ratios_not_measured_are_left_out_and_median_rounds_kept_apart():
+    from loadtests.serving_result import assemble
+
+    phase = _phase(artery_vllm=0.0, vllm_serve=0.0)
+    phase["figures"] = {"artery_vllm": _figures(150.0, 160.0), "vllm_serve": _figures(200.0, 128.0)}
+    out = assemble([phase], {}, {}, {})
+
+    assert out["vllm_vs_vllm_serve"] == 0.75
+    assert out["serving"]["ratios"]["vllm_vs_vllm_serve"]["median_round"] == 1.25
+    assert "default_vs_best_cpu" not in out and set(out["serving"]["targets"]) == {"vllm_vs_vllm_serve"}
+
+
+def test_serving_figures_of_rounds():
+    from loadtests.serving_result import Round, figures
+
+    rounds = [Round(2.0, 100, [1.0, 2.0]), Round(1.0, 100, [0.5, 1.0]), Round(4.0, 100, [3.0, 4.0])]
+    f = figures(rounds, concurrency=2)
+
+    assert f["completion_tokens"] == 300 and f["seconds"] == 7.0 and f["requests"] == 6
+    assert f["tokens_per_s"] == round(300 / 7, 1)
+    assert f["median_round_tokens_per_s"] == 50.0
+    assert f["request_latency"]["n"] == 6 and f["request_latency"]["max"] == 4000.0
+    assert figures([Round(1.0, 10)], concurrency=1)["request_latency"] is None  # in-process: none
+
+
+def test_serving_result_replaces_its_keys_and_keeps_the_inference_benchmarks(tmp_path):
+    from loadtests.serving_result import merge_into
+
+    output = tmp_path / "inference.json"
+    output.write_text(
+        json.dumps({"benchmark": "inference", "throughput": {"x": 1}, "vllm_vs_vllm_serve": 0.5})
+    )
+    written = merge_into(output, {"serving": {"ratios": {}}, "default_vs_best_cpu": 0.93})
+
+    assert json.loads(output.read_text()) == written
+    assert written == {
+        "benchmark": "inference",
+        "throughput": {"x": 1},
+        "serving": {"ratios": {}},
+        "default_vs_best_cpu": 0.93,
+    }  # the stale vllm_vs_vllm_serve of an older run is gone, not mixed with this run's
+
+
+def test_serving_starts_each_server_once_and_stops_it_after_its_last_phase():
+    from loadtests.serving_result import PHASES, phases_for, plan
+
+    steps = plan(PHASES)
+    assert [s.start for s in steps] == [
+        ("artery_transformers",),
+        ("artery_vllm", "vllm_serve"),
+        ("artery_default", "vllm_serve_lora"),
+        ("vllm_cpu_best",),
+    ]
+    assert [s.stop_after for s in steps] == [
+        ("artery_transformers",),
+        ("artery_vllm", "vllm_serve"),
+        ("vllm_serve_lora",),
+        ("artery_default", "vllm_cpu_best"),
+    ]
+    # at most two servers up at once, so no more than one waits while another is measured
+    up: set[str] = set()
+    for step in steps:
+        up |= set(step.start)
+        assert len(up) <= 2
+        up -= set(step.stop_after)
+    assert not up
+    assert phases_for(["vllm_vs_vllm_serve"]) == (("artery_vllm", "vllm_serve"),)
+    assert phases_for([]) == PHASES
+
+
+def test_vllm_serve_gets_the_engines_own_arguments_as_flags():
+    from loadtests.serving_result import serve_flags
+
+    engine_args = {
+        "model": "/weights",
+        "enable_lora": True,
+        "max_lora_rank": 16,
+        "enable_sleep_mode": False,
+        "dtype": "bfloat16",
+        "logprobs_mode": "processed_logprobs",
+        "enable_chunked_prefill": False,
+        "max_model_len": None,
+    }
+    assert serve_flags(engine_args) == (
+        "--enable-lora",
+        "--max-lora-rank",
+        "16",
+        "--no-enable-sleep-mode",
+        "--dtype",
+        "bfloat16",
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--no-enable-chunked-prefill",
+    )
+
+
+def test_serving_table_shows_every_ratio_and_whether_its_target_is_met():
+    from loadtests.serving_result import assemble, render
+
+    phases = [_phase(artery_vllm=190.0, vllm_serve=200.0), _phase(artery_default=360.0, vllm_cpu_best=450.0)]
+    contenders = {name: {"what": name} for p in phases for name in p["figures"]}
+    out = assemble(
+        phases,
+        contenders,
+        {"base_model": "m", "concurrency": 32, "rounds": 5, "max_tokens": 48, "quick": False},
+        {"cpu_count": 2, "load_average_1m_before": 0.5},
+    )
+    printed = render(out["serving"])
+
+    assert "vllm_vs_vllm_serve" in printed and ">= 0.95: met" in printed
+    assert "default_vs_best_cpu" in printed and ">= 0.9: BELOW" in printed
+
+
+def test_inference_vllm_vs_serve_runs_the_serving_benchmarks_pair():
+    args = inference.parse_args(["--vllm-vs-serve", "--rounds", "3", "--output", "x.json"])
+    assert args == [
+        "--only",
+        "vllm_vs_vllm_serve",
+        "--rounds",
+        "3",
+        "--max-tokens",
+        "32",
+        "--output",
+        "x.json",
+    ]
+
+
+def test_the_lora_baseline_is_vllm_alone_without_arterys_extension():
+    from loadtests.serving_result import stock_vllm_args
+
+    engine_args = {
+        "enable_lora": True,
+        "dtype": "bfloat16",
+        "worker_extension_cls": "artery.services.inference.engine.vllm_cpu_lora.GroupedLoraOnCpu",
+    }
+    assert stock_vllm_args(engine_args) == {"enable_lora": True, "dtype": "bfloat16"}
