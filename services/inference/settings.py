@@ -45,7 +45,10 @@ class InferenceSettings(msgspec.Struct, kw_only=True, frozen=True):
     max_batch_size: Annotated[int, doc("sequences decoded together (transformers engine)", ge=1)] = 16
     dtype: Annotated[
         Literal["float32", "bfloat16", "float16"] | None,
-        doc("weights dtype (default: float32 on the CPU, bf16 on a GPU); vllm on the CPU: bf16 ~2x faster"),
+        doc(
+            "weights dtype (default: bf16 on a GPU; on the CPU float32 for transformers, bf16 for vllm,"
+            " ~2x its float32; the trainer corrects bf16 samples with truncated importance sampling)"
+        ),
     ] = None
     max_lora_rank: Annotated[
         int,

