@@ -135,6 +135,23 @@ def tagged_processes(tag: str) -> dict[int, str]:
     return found
 
 
+@pytest.fixture
+def single_torch_thread():
+    """One torch thread, and PEFT's and transformers' advice about tiny models silenced: as fast
+    on the tiny model, and steady when other processes share the cores (with two threads a busy
+    machine made single steps 10-50x slower). Modules that train in this process use it."""
+    import warnings
+
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def pg_server(tmp_path_factory):
     server = PostgresServer(tmp_path_factory.mktemp("pg") / "data", durable=False).start()

@@ -5,7 +5,6 @@ so does the trainer service's step with ``world_size`` 2, loaded back into the c
 from __future__ import annotations
 
 import os
-import warnings
 
 import pytest
 import torch
@@ -31,15 +30,7 @@ ATOL = 1e-5
 #: The NCCL path needs one GPU per process.
 CUDA_PAIR = os.environ.get("ARTERY_TEST_CUDA") == "1" and torch.cuda.device_count() >= 2
 
-
-@pytest.fixture(autouse=True)
-def _quiet_single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # PEFT's and transformers' advice about tiny models
-        yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 def answer(policy: Policy, text: str, reward: float) -> Trajectory:

@@ -37,16 +37,7 @@ LEARNING_RATE = 1e-2
 #: Another adapter shape than the trainer's default (rank 8, alpha 16, every projection + lm_head).
 SMALL_LORA = LoraSpec(rank=4, alpha=8, target_modules=["q_proj", "v_proj"])
 
-
-@pytest.fixture(autouse=True)
-def _quiet_single_thread():
-    """One torch thread: as fast on the tiny model, and steady beside other processes."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # PEFT's and transformers' advice about tiny models
-        yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import math
-import warnings
 
 import pytest
 import torch
@@ -25,16 +24,7 @@ from artery.testing.tasks import half_alphabet_reward, half_alphabet_task_prompt
 CAP = 2.0
 MAX_SEQ_LEN = 256
 
-
-@pytest.fixture(autouse=True)
-def _quiet_single_thread():
-    """One torch thread: as fast on the tiny model, and steady on shared cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # PEFT's and transformers' advice about tiny models
-        yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 @pytest.fixture(scope="module")

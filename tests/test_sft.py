@@ -5,7 +5,6 @@ answers through the real services."""
 from __future__ import annotations
 
 import json
-import warnings
 
 import msgspec
 import pytest
@@ -35,17 +34,6 @@ TARGETS = [
     ("name a fruit.", "banana."),
     ("count to three.", "one two three."),
 ]
-
-
-@pytest.fixture
-def _single_thread():
-    """One torch thread: as fast on the tiny model, and steady on busy cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # PEFT's and transformers' advice about tiny models
-        yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +138,7 @@ async def test_the_sdk_refuses_a_schedule_without_one_rate_per_batch_before_publ
         await backend.train_sft(model, [])
 
 
-def test_sft_step_reports_the_cross_entropy_of_the_answer_and_lowers_it(_single_thread):
+def test_sft_step_reports_the_cross_entropy_of_the_answer_and_lowers_it(single_torch_thread):
     """The step's loss (taken before its update) is the model's mean cross-entropy over the
     answer's tokens and ``<|im_end|>``, computed here with the model itself; each batch gets its
     own learning rate; the loss falls."""
@@ -197,7 +185,7 @@ def test_sft_step_reports_the_cross_entropy_of_the_answer_and_lowers_it(_single_
 
 
 async def test_a_redelivered_sft_request_trains_once(
-    nc, js, db, database_url, tmp_path, monkeypatch, _single_thread
+    nc, js, db, database_url, tmp_path, monkeypatch, single_torch_thread
 ):
     """The same request handled twice (a redelivery) trains one step and answers it twice; a
     schedule that does not fit the stored trajectories is answered with a final train.failed."""

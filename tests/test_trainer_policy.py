@@ -4,7 +4,6 @@ checkpoints that resume exactly, adapters that inference loads, and a task that 
 from __future__ import annotations
 
 import json
-import warnings
 
 import pytest
 import torch
@@ -31,17 +30,7 @@ from artery.testing.tasks import half_alphabet_reward, half_alphabet_task_prompt
 MAX_SEQ_LEN = 256
 PROMPT = [{"role": "user", "content": "Say something."}]
 
-
-@pytest.fixture(autouse=True)
-def _quiet_single_thread():
-    """One torch thread: as fast on the tiny model, and steady when other processes share the
-    cores (with two threads a busy machine made single steps 10-50x slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # PEFT's and transformers' advice about tiny models
-        yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 @pytest.fixture(scope="module")

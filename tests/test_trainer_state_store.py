@@ -12,7 +12,6 @@ import io
 import json
 import shutil
 import tarfile
-import warnings
 
 import msgspec
 import pytest
@@ -50,20 +49,9 @@ from tests.test_security import PROJECT as SECURED_PROJECT
 from tests.test_security import secured  # noqa: F401  (a fixture)
 from tests.test_trainer_policy import scored_groups
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("single_torch_thread")]
 PROJECT, MODEL = "demo", "agent"
 MAX_SEQ_LEN = 256
-
-
-@pytest.fixture(autouse=True)
-def _quiet_single_thread():
-    """One torch thread: as fast on the tiny model, and steady beside other processes."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # PEFT's and transformers' advice about tiny models
-        yield
-    torch.set_num_threads(threads)
 
 
 def record(step: int = 0) -> ModelRecord:
