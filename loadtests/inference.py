@@ -64,6 +64,7 @@ from artery.shared.control_client import live_replicas, pause_replicas, resume_r
 from artery.shared.models import TINY, resolve_base_model
 from artery.shared.settings import CommonSettings
 from loadtests import harness, serving
+from loadtests.chat_client import Round, chat_round, prompts
 from loadtests.harness import (
     STOP_TIMEOUT_S,
     CpuMeter,
@@ -85,8 +86,6 @@ OTHER_LOAD_WARNING = 0.1
 DEFAULTS = {"rounds": 20, "pause_cycles": 30, "loaded_pauses": 5, "adapter_steps": 5}
 QUICK = {"rounds": 1, "pause_cycles": 5, "loaded_pauses": 1, "adapter_steps": 1}
 
-_TOPICS = "apples rivers numbers trains coffee mountains weather books stars tools music maps".split()
-
 
 @dataclass
 class Config:
@@ -102,47 +101,7 @@ class Config:
     output: Path
 
 
-def prompts(count: int) -> list[list[dict[str, str]]]:
-    """Distinct short chat prompts, the same every run."""
-    return [
-        [
-            {
-                "role": "user",
-                "content": f"Question {i}: tell me about {_TOPICS[i % len(_TOPICS)]} in {i + 3} words.",
-            }
-        ]
-        for i in range(count)
-    ]
-
-
 # --- throughput -----------------------------------------------------------------------------
-
-
-@dataclass
-class Round:
-    seconds: float
-    tokens: int
-    #: Per-request latencies (HTTP only).
-    latencies: list[float]
-
-
-async def chat_round(
-    client: httpx.AsyncClient, url: str, batch, max_tokens: int, logprobs: bool = False
-) -> Round:
-    """Send every prompt at once; the time until the last answer, and the completion tokens."""
-    body = {"model": MODEL, "max_tokens": max_tokens, "temperature": 1.0}
-    if logprobs:
-        body["logprobs"] = True
-
-    async def one(messages) -> tuple[int, float]:
-        started = time.perf_counter()
-        response = await client.post(f"{url}/v1/chat/completions", json={**body, "messages": messages})
-        response.raise_for_status()
-        return response.json()["usage"]["completion_tokens"], time.perf_counter() - started
-
-    started = time.perf_counter()
-    results = await asyncio.gather(*(one(m) for m in batch))
-    return Round(time.perf_counter() - started, sum(r[0] for r in results), [r[1] for r in results])
 
 
 class InProcessEngine:
@@ -232,7 +191,7 @@ async def measure_throughput(url: str, baseline: HFBaseline, config: Config, met
                 return baseline.round(batch, config.max_tokens)
 
             contenders = {
-                "artery_http": lambda: chat_round(client, url, batch, config.max_tokens),
+                "artery_http": lambda: chat_round(client, url, MODEL, batch, config.max_tokens),
                 "engine_in_process": engine.round,
                 "hf_generate": hf_round,
             }
@@ -302,7 +261,7 @@ async def measure_pause(nc, config: Config, url: str) -> dict:
     async with httpx.AsyncClient(timeout=600) as client:
         for _ in range(config.loaded_pauses):
             in_flight = asyncio.create_task(
-                chat_round(client, url, prompts(config.concurrency), config.max_tokens)
+                chat_round(client, url, MODEL, prompts(config.concurrency), config.max_tokens)
             )
             await asyncio.sleep(0.1)
             started = time.perf_counter()

@@ -47,13 +47,13 @@ import httpx
 from artery.ops.stack import Stack
 from artery.shared.models import SMOLLM2, resolve_base_model
 from loadtests import RESULTS_DIR, harness
+from loadtests.chat_client import Round, chat_round, prompts
 from loadtests.harness import STOP_TIMEOUT_S, argv_of, load_average, machine, table, tail
 from loadtests.serving_result import (
     IN_PROCESS,
     KEPT,
     KEYS,
     RATIOS,
-    Round,
     assemble,
     figures,
     merge_into,
@@ -64,30 +64,6 @@ from loadtests.serving_result import (
 from loadtests.serving_servers import MODEL, SWEEP, Contender, Servers, contenders, default_serving_env
 
 __all__ = ["KEPT", "KEYS", "default_serving_env", "main"]
-
-# --- the client -------------------------------------------------------------------------------
-
-
-def prompts(count: int) -> list[list[dict[str, str]]]:
-    from loadtests.inference import prompts as inference_prompts  # the inference benchmark's
-
-    return inference_prompts(count)
-
-
-async def chat_round(client: httpx.AsyncClient, url: str, batch, max_tokens: int) -> Round:
-    """Every chat at once; the time until the last answer and the completion tokens."""
-    body = {"model": MODEL, "max_tokens": max_tokens, "temperature": 1.0, "logprobs": True}
-
-    async def one(messages) -> tuple[int, float]:
-        started = time.perf_counter()
-        response = await client.post(f"{url}/v1/chat/completions", json={**body, "messages": messages})
-        response.raise_for_status()
-        return response.json()["usage"]["completion_tokens"], time.perf_counter() - started
-
-    started = time.perf_counter()
-    results = await asyncio.gather(*(one(m) for m in batch))
-    return Round(time.perf_counter() - started, sum(r[0] for r in results), [r[1] for r in results])
-
 
 # --- the run --------------------------------------------------------------------------------------
 
@@ -144,7 +120,7 @@ async def measure_phase(phase: tuple[str, ...], servers: Servers, hf, config: Co
                 runs[name] = hf_round
             else:
                 runs[name] = functools.partial(
-                    chat_round, client, servers.urls[name], batch, config.max_tokens
+                    chat_round, client, servers.urls[name], MODEL, batch, config.max_tokens, logprobs=True
                 )
         for name, run in runs.items():
             warm = await run()

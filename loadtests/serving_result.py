@@ -7,10 +7,11 @@ from __future__ import annotations
 import contextlib
 import json
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from loadtests import harness
+from loadtests.chat_client import Round
 from loadtests.harness import summary_ms, table
 
 #: ratio name -> (numerator, denominator): tokens/s of the first over the second, from the phase
@@ -97,13 +98,6 @@ def phases_for(ratios: list[str]) -> tuple[tuple[str, ...], ...]:
     if not ratios:
         return PHASES
     return tuple(p for p in PHASES if any(set(RATIOS[r]) <= set(p) for r in ratios))
-
-
-@dataclass
-class Round:
-    seconds: float
-    tokens: int
-    latencies: list[float] = field(default_factory=list)
 
 
 def figures(rounds: list[Round], concurrency: int) -> dict:

@@ -148,7 +148,8 @@ def test_serving_ratios_not_measured_are_left_out_and_median_rounds_kept_apart()
 
 
 def test_serving_figures_of_rounds():
-    from loadtests.serving_result import Round, figures
+    from loadtests.chat_client import Round
+    from loadtests.serving_result import figures
 
     rounds = [Round(2.0, 100, [1.0, 2.0]), Round(1.0, 100, [0.5, 1.0]), Round(4.0, 100, [3.0, 4.0])]
     f = figures(rounds, concurrency=2)
