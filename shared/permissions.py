@@ -357,6 +357,8 @@ def permissions(role: str, user: str, *, project: str | None = None) -> Permissi
             subjects.retention_request("*", "*"),
             subjects.register_request("*", "*"),
             subjects.replicas_request("*", "*"),
+            # Its own announcements: a retention request waits for the step the registry names.
+            subjects.checkpoint("published", "*", "*"),
         ]
     elif role == "inference":
         published = subjects.checkpoint("published", "*", "*")

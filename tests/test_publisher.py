@@ -35,6 +35,7 @@ from artery.shared.bus import event_headers, publish_event
 from artery.shared.codec import encode
 from artery.shared.errors import ConfigError, InvalidMessage
 from artery.shared.settings import load
+from tests.factories import register_trainable
 from tests.helpers import wait_for
 
 PROJECT, MODEL = "demo", "agent"
@@ -376,6 +377,27 @@ async def test_retain_request_applies_retention_and_replies(nc, js, db, run_publ
         "publisher",
     )
     assert await object_exists(js, object_name(PROJECT, MODEL, 5))
+
+
+async def test_retention_asked_right_after_a_step_waits_for_the_registrys_step(
+    nc, js, db, run_publisher, tmp_path
+):
+    """``train()`` returns once replicas serve the step, which they may load from the trainer's
+    store before the publisher has recorded it; the registry already names it. A retention asked
+    then waits for that step and keeps it as the latest, instead of answering without it."""
+    await run_publisher(keep_latest=10)
+    await publish_steps(js, tmp_path, [0.2])
+    await wait_for(lambda: db.fetchval("SELECT count(*) = 1 FROM checkpoints WHERE published_at IS NOT NULL"))
+    await register_trainable(js, PROJECT, MODEL, "artery/tiny-random", step=2)  # the trainer moved it
+
+    asked = asyncio.create_task(retain(nc, keep_latest=1, best_metric=None))
+    done, _ = await asyncio.wait({asked}, timeout=0.5)
+    assert not done, f"answered without the registry's step 2: {asked.result()}"
+    uri, data = write_adapter(tmp_path, 2)
+    await publish_event(js, SAVED, saved_event(uri, data, 2, reward_mean=0.5))
+    reply = await asked
+    assert reply.error is None
+    assert (reply.step, reply.kept, reply.deleted) == (2, [2], [1])
 
 
 @pytest.mark.timeout(120)

@@ -13,6 +13,7 @@ caller may simply ask again.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import re
@@ -25,6 +26,7 @@ from nats.aio.subscription import Subscription
 from artery.schemas import RetentionApplied, RetentionRequested
 from artery.schemas.base import NAME_PATTERN
 from artery.schemas.deadletter import UNKNOWN
+from artery.services.publisher import store
 from artery.services.publisher.retention import RetentionPolicy
 from artery.services.publisher.service import SERVICE, Publisher
 from artery.shared import subjects
@@ -33,6 +35,8 @@ from artery.shared.codec import EventDecoder, encode
 from artery.shared.consumer import dead_letter_event
 from artery.shared.errors import DependencyUnavailable, InvalidMessage
 from artery.shared.logs import get_logger
+from artery.shared.registry import models_kv, read_record
+from artery.shared.wakeup import woken_by
 
 log = get_logger(__name__)
 
@@ -41,6 +45,11 @@ _DLQ_NAMESPACE = uuid.UUID("3e0b9d27-1f4c-4a8e-b6d2-646c71726574")
 _DLQ_PAYLOAD_BYTES = 16 * 1024
 _NAME = re.compile(NAME_PATTERN)
 _decoder = EventDecoder(RetentionRequested)
+#: How long a retention request waits for the step the registry names to be recorded (the SDK
+#: asks with a 30 s timeout).
+CATCH_UP_S = 10.0
+#: The wait looks again this often in case a ``checkpoint.published`` was missed (a reconnect).
+RECHECK_S = 2.0
 
 
 class RetentionServer:
@@ -77,6 +86,7 @@ class RetentionServer:
                 best_mode=request.best_mode,
                 keep_steps=tuple(request.keep_steps),
             )
+            await self._caught_up(request.project, request.model)
             plan = await self.publisher.apply_retention(
                 request.project, request.model, policy, reason="requested"
             )
@@ -103,6 +113,40 @@ class RetentionServer:
                 await self.nc.publish(msg.reply, encode(reply), headers=event_headers(reply))
             except Exception as exc:  # the caller times out; nothing more to do
                 log.warning("retention reply failed", error=repr(exc))
+
+    async def _caught_up(self, project: str, model: str) -> None:
+        """Wait until the newest step recorded here is the registry's, for at most ``CATCH_UP_S``.
+
+        ``train()`` returns once its step is served, and replicas may load a step from the
+        trainer's store before any publisher has recorded it; the trainer moves the registry to
+        that step first. A ``delete_checkpoints()`` right after ``train()`` must see that step (keep
+        it as the latest, weigh its metrics), so the request waits for it, woken by this service's
+        own ``checkpoint.published``. A step that never comes (dead-lettered) only delays the
+        answer: retention then applies to what is recorded."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + CATCH_UP_S
+        published = subjects.checkpoint("published", project, model)
+        async with woken_by(self.nc, published, waiter="publisher_retention") as wake:
+            while True:
+                wake.clear()
+                found = await read_record(models_kv(self.publisher.js), project, model)
+                wanted = found.record.step if found is not None else 0
+                async with self.publisher.db.connection() as conn:
+                    recorded = await store.newest_step(conn, project, model)
+                if recorded >= wanted:
+                    wake.satisfied()
+                    return
+                left = deadline - loop.time()
+                if left <= 0:
+                    log.warning(
+                        "retention applied before the registry's step was recorded",
+                        project=project,
+                        model=model,
+                        registry_step=wanted,
+                        recorded_step=recorded,
+                    )
+                    return
+                await wake.wait(min(left, RECHECK_S))
 
     async def _dead_letter(
         self, msg: Msg, error: InvalidMessage, digest: str, project: str, model: str

@@ -102,6 +102,14 @@ async def live(conn: asyncpg.Connection, project: str, model: str) -> list[Check
     return [CheckpointRow.of(r) for r in records]
 
 
+async def newest_step(conn: asyncpg.Connection, project: str, model: str) -> int:
+    """The newest step recorded for the model (deleted since or not); 0 when none is."""
+    newest = await conn.fetchval(
+        "SELECT max(step) FROM checkpoints WHERE project = $1 AND model = $2", project, model
+    )
+    return int(newest or 0)
+
+
 async def lock_model(conn: asyncpg.Connection, project: str, model: str) -> None:
     """Serialise retention of one model across publisher replicas, until the transaction ends."""
     await conn.execute("SELECT pg_advisory_xact_lock(hashtextextended($1, 0))", f"ckpt/{project}/{model}")
