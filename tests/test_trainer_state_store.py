@@ -179,6 +179,7 @@ async def test_the_store_keeps_only_the_newest_steps_of_a_model(js, tmp_path):
     for step in range(1, last + 1):
         fake_step(settings, step)
         await announce.publish_checkpoint(js, settings, request(), record(), step, {})
+        await announce.prune_stored_steps(js, PROJECT, MODEL, step)
         if step == 2:  # a redelivered request uploads the same bytes again: nothing is replaced
             name = trainer_state.object_name(PROJECT, MODEL, 2, trainer_state.STATE)
             before = await trainer_state.info(js, name)

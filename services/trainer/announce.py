@@ -62,10 +62,10 @@ async def publish_checkpoint(
     step: int,
     metrics: dict,
 ) -> None:
-    """Upload the saved step (its adapter and its state) to the trainer-state store, announce
-    ``checkpoint.saved`` naming the adapter there (the publisher stores and announces it), then
-    prune the model's older steps from the store. A redelivered request uploads the same bytes
-    again, which the store finds already there."""
+    """Upload the saved step (its adapter and its state) to the trainer-state store and announce
+    ``checkpoint.saved`` naming the adapter there (the publisher stores and announces it). A
+    redelivered request uploads the same bytes again, which the store finds already there. The
+    model's older steps are pruned later (``prune_stored_steps``), once the step is answered."""
     if record.base_model is None:  # never: the trainer refuses such a record before a step
         raise ValueError(f"a record of project {record.project} has no base model")
     project, model = request.project, request.model
@@ -93,7 +93,6 @@ async def publish_checkpoint(
             metrics=finite(metrics),
         ),
     )
-    await prune_stored_steps(js, project, model, step)
 
 
 def _step_archives(settings: TrainerSettings, record: ModelRecord, step: int) -> tuple[bytes, bytes]:
@@ -103,7 +102,9 @@ def _step_archives(settings: TrainerSettings, record: ModelRecord, step: int) ->
 
 
 async def prune_stored_steps(js: JetStreamContext, project: str, model: str, newest: int) -> None:
-    """Housekeeping after a step is announced: a failure is logged, and the next step prunes again."""
+    """Housekeeping after a step is answered (off the path of a ``train()`` waiting for it: the
+    store's listing and deletions are round trips): a failure is logged, and the next step prunes
+    again."""
     try:
         for kind, keep in (
             (trainer_state.STATE, KEEP_STATE_STEPS),

@@ -14,7 +14,8 @@ be loaded, a request that cannot be trained): the same request meets it again on
 Around every step: pause every inference replica of
 the model (a lease, renewed while training), train, save the adapter and the optimizer state,
 publish ``checkpoint.saved``, record the step, advance the model's step in the registry, resume
-inference, and answer with ``train.completed`` (what a step announces is in ``announce.py``). A
+inference, answer with ``train.completed``, then prune the model's older steps from the
+trainer-state store (what a step announces is in ``announce.py``). A
 redelivered request is answered from the record (or from the checkpoint it already produced) and
 never trains twice; a trainer that dies mid-step leaves inference paused no longer than the lease.
 
@@ -505,7 +506,9 @@ class Trainer(ConsumingService):
             loss=metrics.get("loss"),
             reward_mean=metrics.get("reward_mean"),
         )
-        return await announce.complete(self.js, request, new_step, metrics)
+        completed = await announce.complete(self.js, request, new_step, metrics)
+        await announce.prune_stored_steps(self.js, request.project, request.model, new_step)
+        return completed
 
     async def _confirm(self, lease: ModelLease | None) -> None:
         """The model is still this worker's (``LeaseLost`` if not); the policy in memory, which
