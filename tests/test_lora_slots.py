@@ -13,6 +13,7 @@ import json
 import shutil
 import warnings
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -38,6 +39,13 @@ LEARNING_RATE = 1e-2
 SMALL_LORA = LoraSpec(rank=4, alpha=8, target_modules=["q_proj", "v_proj"])
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
+
+
+def other_base(tmp_path: Path) -> Path:
+    """Other weights (a copy of the tiny model, in another directory): a base of their own."""
+    other = tmp_path / "other-base"
+    shutil.copytree(resolve_base_model(TINY), other)
+    return other
 
 
 @pytest.fixture(scope="module")
@@ -146,8 +154,7 @@ async def test_two_models_on_one_base_share_one_copy_of_its_weights(tmp_path, ba
     assert base_weight(first).data_ptr() == base_weight(second).data_ptr()
     assert first.adapter_name != second.adapter_name
 
-    other = tmp_path / "other-base"  # other weights (a copy, another directory): a base of their own
-    shutil.copytree(resolve_base_model(TINY), other)
+    other = other_base(tmp_path)
     third, _ = await cache.get(record("c", base_model=str(other)))
     assert len(base_loads) == 2 and third.model is not first.model
 
@@ -233,8 +240,7 @@ async def test_evicting_the_last_model_of_a_base_frees_it(tmp_path):
     first, _ = await cache.get(record("a"))
     freed = weakref.ref(base_weight(first))
     del first
-    other = tmp_path / "other-base"
-    shutil.copytree(resolve_base_model(TINY), other)
+    other = other_base(tmp_path)
     await cache.get(record("b", base_model=str(other)))
     gc.collect()
     assert freed() is None and len(cache.slots.bases()) == 1
@@ -261,8 +267,7 @@ async def test_a_model_on_another_base_evicts_the_held_bases_models_first(tmp_pa
     await cache.get(record("b"))
     freed = weakref.ref(base_weight(first))
     del first
-    other = tmp_path / "other-base"
-    shutil.copytree(resolve_base_model(TINY), other)
+    other = other_base(tmp_path)
     await cache.get(record("c", base_model=str(other)))
     gc.collect()
     assert freed() is None and len(cache.slots.bases()) == 1 and len(base_loads) == 2

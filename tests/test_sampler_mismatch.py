@@ -2,9 +2,10 @@
 float32, and truncated importance sampling (TIS) trains on what was sampled.
 
 With a cap ``c`` in a synchronous step the sampled logprobs arrive as "old"; the loss decouples
-them (``losses.decoupled_inputs``): the clipped ratio is 1 and each token is weighted by
-``min(p_trainer / p_sampler, c)``. Checked by hand on the loss, through ``Policy.train_step``
-(the cap is honoured in sync mode), and by learning the half-alphabet task from bf16 samples.
+them as in an asynchronous step (``losses.off_policy_inputs``): the clipped ratio is 1 and each
+token is weighted by ``min(p_trainer / p_sampler, c)``. Checked by hand on the loss, through
+``Policy.train_step`` (the cap is honoured in sync mode), and by learning the half-alphabet task
+from bf16 samples.
 """
 
 from __future__ import annotations

