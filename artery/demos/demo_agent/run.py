@@ -125,7 +125,7 @@ async def run(args: argparse.Namespace) -> dict:
                 cursor += args.groups
                 groups = await art.gather_trajectory_groups(
                     (
-                        art.TrajectoryGroup(
+                        art.trajectory_group(
                             episode(q, args.temperature, None, None) for _ in range(args.group_size)
                         )
                         for q in items
