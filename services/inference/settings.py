@@ -54,6 +54,15 @@ class InferenceSettings(msgspec.Struct, kw_only=True, frozen=True):
         int,
         doc("largest LoRA rank the vllm engine serves; vLLM computes at this rank: keep it small", ge=1),
     ] = 16
+    gpu_memory_utilization: Annotated[
+        float,
+        doc(
+            "share of the GPU's memory the vllm engine takes (weights and KV cache); lower it when"
+            " the GPU is shared with another replica or a trainer that trains while the replica is awake",
+            gt=0,
+            le=1,
+        ),
+    ] = 0.85
     default_max_tokens: Annotated[int, doc("completion length when a request sets none", ge=1)] = 1024
     max_pause_wait_s: Annotated[float, doc("how long a request waits while paused before a 503", gt=0)] = (
         600.0
