@@ -17,6 +17,7 @@ from loadtests import (
     serving,
     trainer_memory,
     trainer_step,
+    trainer_throughput,
 )
 
 BENCHMARKS: dict[str, Callable[[list[str]], dict]] = {
@@ -26,6 +27,8 @@ BENCHMARKS: dict[str, Callable[[list[str]], dict]] = {
     "serving": serving.main,
     "trainer_step": trainer_step.main,
     "trainer_memory": trainer_memory.main,
+    # Qwen3-0.6B's shape on a GPU; without one, the tiny shape on the CPU.
+    "trainer_throughput": trainer_throughput.main,
     "loop": loop.main,
     "scale_out": scale_out.main,
     "control_plane": control_plane.main,

@@ -272,3 +272,20 @@ def test_the_lora_baseline_is_vllm_alone_without_arterys_extension():
         "worker_extension_cls": "artery.services.inference.engine.vllm_cpu_lora.GroupedLoraOnCpu",
     }
     assert stock_vllm_args(engine_args) == {"enable_lora": True, "dtype": "bfloat16"}
+
+
+def test_trainer_throughput_benchmark_on_the_tiny_shape(tmp_path):
+    from loadtests import trainer_throughput
+
+    output = tmp_path / "trainer_throughput.json"
+    args = ["--shape", "tiny", "--device", "cpu", "--groups", "2", "--group-size", "4"]
+    args += ["--prompt-tokens", "16", "--completion-tokens", "24", "--steps", "1", "--warmup", "1"]
+    trainer_throughput.main([*args, "--output", str(output)])
+    result = json.loads(output.read_text())
+    artery, baseline = result["contenders"]["artery"], result["contenders"]["baseline"]
+    # Both sides train every completion token of the step, and Artery's adapter really moved.
+    assert artery["trained_tokens_per_step"] == baseline["trained_tokens_per_step"] == 2 * 4 * 24
+    assert artery["total_tokens_per_step"] == baseline["total_tokens_per_step"] > 2 * 4 * 24
+    assert artery["trained_tokens_per_s"] > 0 and baseline["trained_tokens_per_s"] > 0
+    assert result["artery_vs_baseline"] > 0
+    assert result["artery_adapter_moved"] > 0
