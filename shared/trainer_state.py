@@ -29,7 +29,7 @@ from nats.js.errors import NotFoundError
 from nats.js.object_store import OBJ_META_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE
 
 from artery.shared import subjects
-from artery.shared.adapters import MAX_ADAPTER_BYTES, AdapterError, AdapterNotFound, read_object
+from artery.shared.adapters import MAX_ADAPTER_BYTES, AdapterError, AdapterNotFound, read_object, write_object
 from artery.shared.errors import DependencyUnavailable, InvalidMessage
 
 BUCKET = subjects.TRAINER_STATE_BUCKET
@@ -108,8 +108,7 @@ async def put(js: JetStreamContext, name: str, data: bytes) -> None:
     if found is not None and found.size == len(data) and found.digest == nats_digest(data):
         return
     try:
-        store = await js.object_store(BUCKET)
-        await store.put(name, data)
+        await write_object(js, BUCKET, name, data)
     except Exception as exc:
         raise DependencyUnavailable(f"{BUCKET}: put of {name!r} failed: {exc!r}") from exc
 

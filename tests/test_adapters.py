@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from nats.js.api import ObjectStoreConfig
+from nats.js.errors import NotFoundError, ObjectNotFoundError
 from safetensors.torch import load_file, save_file
 
 from artery.schemas import CheckpointDeleted, CheckpointPublished
@@ -25,6 +27,7 @@ from artery.shared.adapters import (
     read_archive_file,
     sha256_hex,
     unpack_adapter,
+    write_object,
 )
 from artery.shared.settings import CommonSettings
 from tests.helpers import FakeEngine, wait_until
@@ -159,6 +162,44 @@ async def test_object_store_round_trip(js, tmp_path):
     assert await get_adapter(js, "proj/agent/step-1") == data
     with pytest.raises(AdapterNotFound):
         await get_adapter(js, "proj/agent/step-404")
+
+
+async def test_a_pipelined_write_is_the_object_nats_py_itself_reads(js):
+    """``write_object`` lays an object out as nats-py's ``put`` does: nats-py's own reader gets
+    the same bytes and info, over many chunks; a second write replaces the first and purges its
+    chunks; an empty object is an object too."""
+    store = await js.object_store(subjects.ADAPTERS_BUCKET)
+    first = os.urandom(5 * 128 * 1024 + 17)  # six chunks, the last one short
+    info = await write_object(js, subjects.ADAPTERS_BUCKET, "proj/agent/big", first)
+    assert (info.size, info.chunks) == (len(first), 6)
+    read = await store.get("proj/agent/big")
+    assert read.data == first
+    assert read.info.digest == info.digest and read.info.nuid == info.nuid
+    assert await get_adapter(js, "proj/agent/big") == first
+
+    second = os.urandom(3 * 128 * 1024)
+    replaced = await write_object(js, subjects.ADAPTERS_BUCKET, "proj/agent/big", second)
+    assert (await store.get("proj/agent/big")).data == second
+    stream = f"OBJ_{subjects.ADAPTERS_BUCKET}"
+    with pytest.raises(NotFoundError):  # the first version's chunks are gone
+        await js.get_msg(stream, seq=1, subject=f"$O.{subjects.ADAPTERS_BUCKET}.C.{info.nuid}", next=True)
+    assert replaced.nuid != info.nuid
+
+    await write_object(js, subjects.ADAPTERS_BUCKET, "proj/agent/empty", b"")
+    assert (await store.get("proj/agent/empty")).data == b""
+
+
+async def test_a_write_the_bucket_refuses_raises_and_leaves_no_chunks(js):
+    """A chunk the stream refuses (over the bucket's size) fails the write: it raises, no
+    metadata names the object, and the chunks that were stored are purged."""
+    bucket = "artery_small_bucket"
+    await js.create_object_store(bucket, config=ObjectStoreConfig(max_bytes=512 * 1024))
+    with pytest.raises(Exception):  # noqa: B017 -- the server's refusal, whatever nats-py names it
+        await write_object(js, bucket, "too/big", os.urandom(2 * 1024 * 1024))
+    store = await js.object_store(bucket)
+    with pytest.raises((ObjectNotFoundError, NotFoundError)):
+        await store.get_info("too/big")
+    assert (await store.status()).stream_info.state.messages == 0
 
 
 # -- checkpoint watcher --------------------------------------------------------------------------

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from artery.demos.demo import PRESETS
 from loadtests import inference, loop
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -289,3 +290,12 @@ def test_trainer_throughput_benchmark_on_the_tiny_shape(tmp_path):
     assert artery["trained_tokens_per_s"] > 0 and baseline["trained_tokens_per_s"] > 0
     assert result["artery_vs_baseline"] > 0
     assert result["artery_adapter_moved"] > 0
+
+
+def test_the_loop_benchmark_trains_a_real_model_at_the_demos_rate():
+    """At the tiny model's 1e-2, SmolLM2 collapses to one answer within a few steps and the
+    asynchronous mode stops (every group's rewards equal); a real model gets the demo's rate."""
+    assert loop.parse_args([]).learning_rate == loop.TINY_LEARNING_RATE
+    assert loop.parse_args(["--base-model", "smollm2"]).learning_rate == loop.LEARNING_RATE
+    assert loop.parse_args(["--base-model", "smollm2", "--learning-rate", "0.5"]).learning_rate == 0.5
+    assert loop.LEARNING_RATE == PRESETS["smollm2"]["learning_rate"]
