@@ -23,7 +23,8 @@ What JetStream needs, found against a real nats-server (``tests/test_security.py
   subject>`` (the models bucket allows direct gets), so an agent reads its own project's records
   only; listing keys (replicas) through a consumer whose filter is in the create subject
   (``shared.kv``); writes on ``$KV.<bucket>.<key>``;
-- object store: ``$JS.API.STREAM.INFO|MSG.GET.OBJ_<bucket>`` and an ordered consumer to read;
+- object store: ``$JS.API.STREAM.INFO|MSG.GET.OBJ_<bucket>``, ``$JS.API.DIRECT.GET.OBJ_<bucket>``
+  (batched reads) and an ordered consumer to read;
   chunks on ``$O.<bucket>.C.>``, metadata on ``$O.<bucket>.M.>`` and
   ``$JS.API.STREAM.PURGE.OBJ_<bucket>`` to write or delete.
 
@@ -208,7 +209,7 @@ def _kv_write(bucket: str, keys: str = ">") -> list[str]:
 
 def _object_read(bucket: str) -> list[str]:
     stream = _obj_stream(bucket)
-    return [f"{JS_API}.STREAM.MSG.GET.{stream}", *_ordered(stream)]
+    return [f"{JS_API}.STREAM.MSG.GET.{stream}", f"{JS_API}.DIRECT.GET.{stream}", *_ordered(stream)]
 
 
 def _object_write(bucket: str) -> list[str]:
@@ -368,9 +369,11 @@ def permissions(role: str, user: str, *, project: str | None = None) -> Permissi
             # An adapter's metadata and chunks, message by message (``adapters.read_adapter``):
             # no consumer, so none is left behind when retention deletes the object mid-read.
             f"{JS_API}.STREAM.MSG.GET.{_obj_stream(adapters)}",
+            f"{JS_API}.DIRECT.GET.{_obj_stream(adapters)}",  # the same, batched
             # The same, for a step as the trainer saved it, before the publisher has copied it
             # (``load_saved_adapters``): from the trainers' store, wherever they run.
             f"{JS_API}.STREAM.MSG.GET.{_obj_stream(state)}",
+            f"{JS_API}.DIRECT.GET.{_obj_stream(state)}",
             *_kv_write(replicas),  # its heartbeat
         ]
         subscribe += [

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import os
 import tarfile
 from pathlib import Path
 
+import nats
 import pytest
 import torch
 from nats.js.api import ObjectStoreConfig
@@ -17,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from artery.schemas import CheckpointDeleted, CheckpointPublished
 from artery.schemas.base import new_event_id
 from artery.services.inference.checkpoints import CheckpointWatcher
-from artery.shared import bus, subjects
+from artery.shared import adapters, bus, subjects
 from artery.shared.adapters import (
     AdapterError,
     AdapterNotFound,
@@ -187,6 +189,60 @@ async def test_a_pipelined_write_is_the_object_nats_py_itself_reads(js):
 
     await write_object(js, subjects.ADAPTERS_BUCKET, "proj/agent/empty", b"")
     assert (await store.get("proj/agent/empty")).data == b""
+
+
+@pytest.mark.parametrize("batch", [1, 4, adapters.READ_BATCH])
+async def test_an_object_is_read_whole_in_batches_of_any_size(js, monkeypatch, batch):
+    """Batched direct gets over several requests (a batch ending inside the object, on its
+    last chunk, past it) read the same bytes; so does the one-get-a-chunk path of older servers,
+    from another object's chunks interleaved in the same stream."""
+    monkeypatch.setattr(adapters, "READ_BATCH", batch)
+    bucket = subjects.ADAPTERS_BUCKET
+    one, two = os.urandom(4 * 128 * 1024), os.urandom(9 * 128 * 1024 + 1)
+    infos = await asyncio.gather(write_object(js, bucket, "a", one), write_object(js, bucket, "b", two))
+    assert await adapters.read_object(js, bucket, infos[0]) == one
+    assert await adapters.read_object(js, bucket, infos[1]) == two
+    monkeypatch.setattr(adapters, "_has_batched_gets", lambda js: False)
+    assert await adapters.read_object(js, bucket, infos[1]) == two
+
+
+async def test_a_stream_without_direct_gets_is_read_chunk_by_chunk(js):
+    """A bucket made without direct gets answers a batched get with 503: the reader goes on
+    with message gets and reads the whole object."""
+    bucket = "artery_no_direct"
+    await js.create_object_store(bucket)
+    config = (await js.stream_info(f"OBJ_{bucket}")).config
+    config.allow_direct = False
+    await js.update_stream(config)
+    data = os.urandom(3 * 128 * 1024 + 5)
+    info = await write_object(js, bucket, "x", data)
+    assert adapters._has_batched_gets(js)
+    assert await adapters.read_object(js, bucket, info) == data
+
+
+async def test_a_batched_get_left_unanswered_falls_back_for_the_connection(nats_server, nc, monkeypatch):
+    """Credentials from before reads were batched: the server drops the request and nothing
+    answers. The read goes on chunk by chunk, and the connection stops asking in batches.
+    (``nc`` made the buckets.)"""
+    client = await nats.connect(nats_server.url)
+    try:
+        js = client.jetstream(timeout=0.3)
+        data = os.urandom(3 * 128 * 1024)
+        info = await write_object(js, subjects.ADAPTERS_BUCKET, "unanswered", data)
+        publish, asked = client.publish, []
+
+        async def dropping(subject, payload=b"", reply="", headers=None):
+            if subject.startswith("$JS.API.DIRECT.GET."):
+                asked.append(subject)
+                return None  # as the server does with a publish the user may not make
+            return await publish(subject, payload, reply=reply, headers=headers)
+
+        monkeypatch.setattr(client, "publish", dropping)
+        assert await adapters.read_object(js, subjects.ADAPTERS_BUCKET, info) == data
+        assert await adapters.read_object(js, subjects.ADAPTERS_BUCKET, info) == data
+        assert len(asked) == 1 and not adapters._has_batched_gets(js)
+    finally:
+        await client.close()
 
 
 async def test_a_write_the_bucket_refuses_raises_and_leaves_no_chunks(js):
