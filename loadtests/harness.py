@@ -105,6 +105,15 @@ async def stopping(backend: Any, log_lines: int = 15) -> AsyncIterator[Any]:
 # --- the result -----------------------------------------------------------------------------
 
 
+def sync_device(device: str) -> None:
+    """Wait for the GPU's queued work, so that a timer around a step times the step (CUDA runs
+    asynchronously); nothing on the CPU."""
+    if device.startswith("cuda"):
+        import torch  # only the benchmarks that train need torch
+
+        torch.cuda.synchronize()
+
+
 def load_average() -> float | None:
     """The 1-minute load average (what else was running shapes every figure), where there is one."""
     return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None

@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtests import harness
-from loadtests.harness import argv_of, load_average, machine, report, table
+from loadtests.harness import argv_of, load_average, machine, report, sync_device, table
 
 TARGETS_WITHOUT_LM_HEAD = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LEARNING_RATE = 1e-5
@@ -126,10 +126,10 @@ class ArteryRunner:
         )
         size = config.group_size
         groups = [samples[i : i + size] for i in range(0, len(samples), size)]
-        _sync(config.device)
+        sync_device(config.device)
         generated = time.perf_counter()
         result = policy.train_step(groups, self.train_config, max_seq_len=512)
-        _sync(config.device)
+        sync_device(config.device)
         finished = time.perf_counter()
         if record:
             self.generate_s.append(generated - started)
@@ -179,7 +179,7 @@ class TrlRunner:
                 self.started = time.perf_counter()
 
             def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-                _sync(config.device)
+                sync_device(config.device)
                 elapsed = time.perf_counter() - self.started
                 if self.index >= warmup:
                     runner.step_s.append(elapsed)
@@ -241,7 +241,7 @@ class TrlRunner:
             def timed_generate(*a: Any, **kw: Any) -> Any:
                 started = time.perf_counter()
                 out = generate(*a, **kw)
-                _sync(config.device)
+                sync_device(config.device)
                 timer.generate_s += time.perf_counter() - started
                 return out
 
@@ -256,13 +256,6 @@ class TrlRunner:
 
 
 # --------------------------------------------------------------------------- the run
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        import torch
-
-        torch.cuda.synchronize()
 
 
 def run(config: Config) -> dict[str, Any]:

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtests import harness
-from loadtests.harness import argv_of, load_average, machine, report, table
+from loadtests.harness import argv_of, load_average, machine, report, sync_device, table
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LEARNING_RATE = 1e-5
@@ -135,13 +135,6 @@ def synthetic_groups(config: Config, tokenizer: Any, rng: random.Random) -> list
     return groups
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        import torch
-
-        torch.cuda.synchronize()
-
-
 class ArterySide:
     def __init__(self, config: Config, model_path: Path) -> None:
         from artery.schemas import TrainConfig
@@ -162,10 +155,10 @@ class ArterySide:
         self.max_seq_len = 2 * (config.prompt_tokens + config.completion_tokens) + 64
 
     def step(self, groups: list[list[Any]]) -> tuple[float, int]:
-        _sync(self.config.device)
+        sync_device(self.config.device)
         started = time.perf_counter()
         result = self.policy.train_step(groups, self.train_config, max_seq_len=self.max_seq_len)
-        _sync(self.config.device)
+        sync_device(self.config.device)
         elapsed = time.perf_counter() - started
         if not result.trained:
             raise RuntimeError(f"Artery's step trained nothing: {result.skip_reason}")
@@ -220,7 +213,7 @@ class BaselineSide:
         import torch
 
         config = self.config
-        _sync(config.device)
+        sync_device(config.device)
         started = time.perf_counter()
         n = self.input_ids.shape[0]
         for first in range(0, n, config.micro_batch):
@@ -241,7 +234,7 @@ class BaselineSide:
         torch.nn.utils.clip_grad_norm_(self.params, 1.0)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        _sync(config.device)
+        sync_device(config.device)
         return time.perf_counter() - started, self.tokens
 
 
