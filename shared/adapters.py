@@ -186,6 +186,11 @@ async def put_adapter(js: JetStreamContext, object_name: str, data: bytes):
     return await write_object(js, subjects.ADAPTERS_BUCKET, object_name, data)
 
 
+#: Chunks in flight at once while writing (32 MiB): a step's state of GBs is not copied whole
+#: into the connection's buffer, and the acks keep coming while the next window is sent.
+WRITE_WINDOW = 256
+
+
 async def write_object(js: JetStreamContext, bucket: str, name: str, data: bytes) -> ObjectInfo:
     """Store ``data`` as ``name`` in object store ``bucket``, as nats-py's ``ObjectStore.put``
     lays it out (chunks on a new subject, then the metadata rolled up, then the previous
@@ -203,18 +208,14 @@ async def write_object(js: JetStreamContext, bucket: str, name: str, data: bytes
     nuid = js._nc._nuid.next().decode()  # nats-py's own id source, as ``put`` uses
     stream = OBJ_STREAM_TEMPLATE.format(bucket=bucket)
     chunk_subject = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=bucket, obj=nuid)
-    view = memoryview(data)
-    chunks = [
-        Outgoing(chunk_subject, bytes(view[at : at + OBJ_DEFAULT_CHUNK_SIZE]), {})
-        for at in range(0, len(data), OBJ_DEFAULT_CHUNK_SIZE)
-    ]
+    starts = range(0, len(data), OBJ_DEFAULT_CHUNK_SIZE)
     digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode()
     info = ObjectInfo(
         name=name,
         bucket=bucket,
         nuid=nuid,
         size=len(data),
-        chunks=len(chunks),
+        chunks=len(starts),
         digest=OBJ_DIGEST_TEMPLATE.format(digest=digest),
         options=ObjectMetaOptions(max_chunk_size=OBJ_DEFAULT_CHUNK_SIZE),
         mtime=datetime.now(UTC).isoformat(),
@@ -224,7 +225,15 @@ async def write_object(js: JetStreamContext, bucket: str, name: str, data: bytes
     )
     meta = json.dumps(info.as_dict()).encode()
     try:
-        await publish_prepared(js, chunks)
+        view = memoryview(data)
+        for window in range(0, len(starts), WRITE_WINDOW):  # a window's copies in memory at a time
+            await publish_prepared(
+                js,
+                [
+                    Outgoing(chunk_subject, bytes(view[at : at + OBJ_DEFAULT_CHUNK_SIZE]), {})
+                    for at in starts[window : window + WRITE_WINDOW]
+                ],
+            )
         await js.publish(meta_subject, meta, headers={Header.ROLLUP: MSG_ROLLUP_SUBJECT})
     except BaseException:
         await asyncio.shield(_purge_quietly(js, stream, chunk_subject))

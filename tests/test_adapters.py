@@ -166,10 +166,12 @@ async def test_object_store_round_trip(js, tmp_path):
         await get_adapter(js, "proj/agent/step-404")
 
 
-async def test_a_pipelined_write_is_the_object_nats_py_itself_reads(js):
+@pytest.mark.parametrize("window", [2, adapters.WRITE_WINDOW])
+async def test_a_pipelined_write_is_the_object_nats_py_itself_reads(js, monkeypatch, window):
     """``write_object`` lays an object out as nats-py's ``put`` does: nats-py's own reader gets
-    the same bytes and info, over many chunks; a second write replaces the first and purges its
-    chunks; an empty object is an object too."""
+    the same bytes and info, over many chunks (in windows that end inside the object or past
+    it); a second write replaces the first and purges its chunks; an empty object is one too."""
+    monkeypatch.setattr(adapters, "WRITE_WINDOW", window)
     store = await js.object_store(subjects.ADAPTERS_BUCKET)
     first = os.urandom(5 * 128 * 1024 + 17)  # six chunks, the last one short
     info = await write_object(js, subjects.ADAPTERS_BUCKET, "proj/agent/big", first)
