@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import ast
 import functools
+import pickle
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,6 +43,33 @@ def modules() -> dict[str, Path]:
     return found
 
 
+#: Parses every source file in a child process and writes the trees, pickled, to stdout.
+_PARSE_ALL = """
+import ast, pickle, sys
+paths = sys.stdin.read().split("\\n")
+sys.stdout.buffer.write(pickle.dumps({p: ast.parse(open(p, encoding="utf-8").read()) for p in paths}))
+"""
+
+
+@functools.cache
+def _trees() -> dict[str, ast.Module]:
+    """Every project source file's syntax tree, parsed in a child process of its own.
+
+    Python 3.11's ``ast.parse`` keeps its recursion-depth count in state shared between threads
+    (CPython gh-106905): when any other thread of the test process parses at the same time (3.11
+    formats a traceback by parsing the failing line), the conversion raises ``SystemError: AST
+    constructor recursion depth mismatch``. A child process has no other threads."""
+    paths = sorted({str(p) for folder in (*FOLDERS, *CODE_FOLDERS) for p in (ROOT / folder).rglob("*.py")})
+    done = subprocess.run(
+        [sys.executable, "-c", _PARSE_ALL], input="\n".join(paths).encode(), capture_output=True, check=True
+    )
+    return pickle.loads(done.stdout)
+
+
+def parsed(path: Path) -> ast.Module:
+    return _trees()[str(path)]
+
+
 def imported(path: Path, *, load_time: bool) -> set[str]:
     """The project's modules ``path`` imports: every import, or (``load_time``) only those run when
     it is imported (module level, not under ``if TYPE_CHECKING``; function bodies are deferred)."""
@@ -67,7 +97,7 @@ def imported(path: Path, *, load_time: bool) -> set[str]:
                 for handler in node.handlers:
                     visit(handler.body)
 
-    tree = ast.parse(path.read_text())
+    tree = parsed(path)
     if load_time:
         visit(tree.body)
     else:
@@ -163,7 +193,7 @@ CODE_FOLDERS = ("artery", "services", "shared", "schemas", "loadtests", "example
 def _states_why(path: Path) -> bool:
     """A line of the module's docstring, or a comment among its first lines, starts with the marker."""
     text = path.read_text()
-    lines = (ast.get_docstring(ast.parse(text)) or "").splitlines() + text.splitlines()[:40]
+    lines = (ast.get_docstring(parsed(path)) or "").splitlines() + text.splitlines()[:40]
     return any(line.lstrip("# ").startswith(LONG_MARKER) for line in lines)
 
 
@@ -180,7 +210,7 @@ def test_each_top_level_package_says_which_folder_it_is():
     """The mapping of import names onto folders is visible where a reader lands: each folder's
     ``__init__`` docstring names both (docs/architecture/layout.md maps them all)."""
     for folder, name in FOLDERS.items():
-        doc = ast.get_docstring(ast.parse((ROOT / folder / "__init__.py").read_text())) or ""
+        doc = ast.get_docstring(parsed(ROOT / folder / "__init__.py")) or ""
         assert f"``{name}``" in doc or f"``import {name}" in doc, f"{folder}/__init__.py: name {name}"
         assert f"``{folder}/``" in doc or folder == "artery", f"{folder}/__init__.py: name its folder"
 
@@ -217,7 +247,7 @@ def test_test_only_code_is_not_in_shared():
     """``shared`` is what the services run on; what only tests and benchmarks use (a NATS cluster
     of child processes, stand-in judges) is the test kit, ``artery.testing``."""
     for path in sorted((ROOT / "shared").rglob("*.py")):
-        tree = ast.parse(path.read_text())
+        tree = parsed(path)
         names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
         assert not names & {"pytest", "artery.testing"}, f"{path.relative_to(ROOT)} is test code"
