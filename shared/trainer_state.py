@@ -29,8 +29,9 @@ from nats.js.errors import NotFoundError
 from nats.js.object_store import OBJ_META_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE
 
 from artery.shared import subjects
-from artery.shared.adapters import MAX_ADAPTER_BYTES, AdapterError, AdapterNotFound, read_object, write_object
+from artery.shared.adapters import MAX_ADAPTER_BYTES
 from artery.shared.errors import DependencyUnavailable, InvalidMessage
+from artery.shared.object_store import ObjectCorrupt, ObjectGone, read_object, write_object
 
 BUCKET = subjects.TRAINER_STATE_BUCKET
 SCHEME = "nats-object"
@@ -140,9 +141,9 @@ async def get(
 async def _read_chunks(js: JetStreamContext, found: ObjectInfo) -> bytes:
     try:
         return await read_object(js, BUCKET, found)
-    except AdapterNotFound as exc:  # purged: deleted or replaced since its metadata was read
+    except ObjectGone as exc:  # purged: deleted or replaced since its metadata was read
         raise InvalidMessage("not_found", str(exc)) from exc
-    except AdapterError as exc:
+    except ObjectCorrupt as exc:
         raise InvalidMessage("sha256_mismatch", str(exc)) from exc
     except Exception as exc:
         raise DependencyUnavailable(f"{BUCKET}: reading {found.name!r} failed: {exc!r}") from exc

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from artery.schemas import CheckpointDeleted, CheckpointPublished
 from artery.schemas.base import new_event_id
 from artery.services.inference.checkpoints import CheckpointWatcher
-from artery.shared import adapters, bus, subjects
+from artery.shared import bus, object_store, subjects
 from artery.shared.adapters import (
     AdapterError,
     AdapterNotFound,
@@ -29,8 +29,8 @@ from artery.shared.adapters import (
     read_archive_file,
     sha256_hex,
     unpack_adapter,
-    write_object,
 )
+from artery.shared.object_store import write_object
 from artery.shared.settings import CommonSettings
 from tests.helpers import FakeEngine, wait_until
 
@@ -166,12 +166,12 @@ async def test_object_store_round_trip(js, tmp_path):
         await get_adapter(js, "proj/agent/step-404")
 
 
-@pytest.mark.parametrize("window", [2, adapters.WRITE_WINDOW])
+@pytest.mark.parametrize("window", [2, object_store.WRITE_WINDOW])
 async def test_a_pipelined_write_is_the_object_nats_py_itself_reads(js, monkeypatch, window):
     """``write_object`` lays an object out as nats-py's ``put`` does: nats-py's own reader gets
     the same bytes and info, over many chunks (in windows that end inside the object or past
     it); a second write replaces the first and purges its chunks; an empty object is one too."""
-    monkeypatch.setattr(adapters, "WRITE_WINDOW", window)
+    monkeypatch.setattr(object_store, "WRITE_WINDOW", window)
     store = await js.object_store(subjects.ADAPTERS_BUCKET)
     first = os.urandom(5 * 128 * 1024 + 17)  # six chunks, the last one short
     info = await write_object(js, subjects.ADAPTERS_BUCKET, "proj/agent/big", first)
@@ -193,19 +193,19 @@ async def test_a_pipelined_write_is_the_object_nats_py_itself_reads(js, monkeypa
     assert (await store.get("proj/agent/empty")).data == b""
 
 
-@pytest.mark.parametrize("batch", [1, 4, adapters.READ_BATCH])
+@pytest.mark.parametrize("batch", [1, 4, object_store.READ_BATCH])
 async def test_an_object_is_read_whole_in_batches_of_any_size(js, monkeypatch, batch):
     """Batched direct gets over several requests (a batch ending inside the object, on its
     last chunk, past it) read the same bytes; so does the one-get-a-chunk path of older servers,
     from another object's chunks interleaved in the same stream."""
-    monkeypatch.setattr(adapters, "READ_BATCH", batch)
+    monkeypatch.setattr(object_store, "READ_BATCH", batch)
     bucket = subjects.ADAPTERS_BUCKET
     one, two = os.urandom(4 * 128 * 1024), os.urandom(9 * 128 * 1024 + 1)
     infos = await asyncio.gather(write_object(js, bucket, "a", one), write_object(js, bucket, "b", two))
-    assert await adapters.read_object(js, bucket, infos[0]) == one
-    assert await adapters.read_object(js, bucket, infos[1]) == two
-    monkeypatch.setattr(adapters, "_has_batched_gets", lambda js: False)
-    assert await adapters.read_object(js, bucket, infos[1]) == two
+    assert await object_store.read_object(js, bucket, infos[0]) == one
+    assert await object_store.read_object(js, bucket, infos[1]) == two
+    monkeypatch.setattr(object_store, "_has_batched_gets", lambda js: False)
+    assert await object_store.read_object(js, bucket, infos[1]) == two
 
 
 async def test_a_stream_without_direct_gets_is_read_chunk_by_chunk(js):
@@ -218,8 +218,8 @@ async def test_a_stream_without_direct_gets_is_read_chunk_by_chunk(js):
     await js.update_stream(config)
     data = os.urandom(3 * 128 * 1024 + 5)
     info = await write_object(js, bucket, "x", data)
-    assert adapters._has_batched_gets(js)
-    assert await adapters.read_object(js, bucket, info) == data
+    assert object_store._has_batched_gets(js)
+    assert await object_store.read_object(js, bucket, info) == data
 
 
 async def test_a_batched_get_left_unanswered_falls_back_for_the_connection(nats_server, nc, monkeypatch):
@@ -240,9 +240,9 @@ async def test_a_batched_get_left_unanswered_falls_back_for_the_connection(nats_
             return await publish(subject, payload, reply=reply, headers=headers)
 
         monkeypatch.setattr(client, "publish", dropping)
-        assert await adapters.read_object(js, subjects.ADAPTERS_BUCKET, info) == data
-        assert await adapters.read_object(js, subjects.ADAPTERS_BUCKET, info) == data
-        assert len(asked) == 1 and not adapters._has_batched_gets(js)
+        assert await object_store.read_object(js, subjects.ADAPTERS_BUCKET, info) == data
+        assert await object_store.read_object(js, subjects.ADAPTERS_BUCKET, info) == data
+        assert len(asked) == 1 and not object_store._has_batched_gets(js)
     finally:
         await client.close()
 
