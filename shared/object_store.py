@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import enum
 import hashlib
 import io
 import json
@@ -55,7 +56,20 @@ class ObjectGone(ArteryError):
 WRITE_WINDOW = 256
 
 
-async def write_object(js: JetStreamContext, bucket: str, name: str, data: bytes) -> ObjectInfo:
+class Previous(enum.Enum):
+    """``write_object``'s ``previous`` when the caller has not read the object's metadata."""
+
+    UNREAD = "unread"
+
+
+async def write_object(
+    js: JetStreamContext,
+    bucket: str,
+    name: str,
+    data: bytes,
+    *,
+    previous: ObjectInfo | Previous | None = Previous.UNREAD,
+) -> ObjectInfo:
     """Store ``data`` as ``name`` in object store ``bucket``, as nats-py's ``ObjectStore.put``
     lays it out (chunks on a new subject, then the metadata rolled up, then the previous
     version's chunks purged), but with the chunks pipelined: ``put`` waits for each chunk's ack
@@ -63,12 +77,16 @@ async def write_object(js: JetStreamContext, bucket: str, name: str, data: bytes
     for SmolLM2's adapter and optimizer state) a third of the trainer's time outside training.
     The chunks go out in order on one connection, so the stream holds them in order; the
     metadata is published only after every chunk is acked, so a reader never sees an object
-    whose chunks are not all stored. A failure purges the chunks sent and raises."""
-    store = await js.object_store(bucket)  # the bucket must exist (and the caller may see it)
-    try:
-        previous: ObjectInfo | None = await store.get_info(name)
-    except (ObjectNotFoundError, NotFoundError):
-        previous = None
+    whose chunks are not all stored. A failure purges the chunks sent and raises.
+
+    ``previous``: the object's metadata as the caller just read it (None: not there), whose chunks
+    the write purges; unread, it is read here (one round trip fewer when the caller has it)."""
+    if previous is Previous.UNREAD:
+        store = await js.object_store(bucket)  # the bucket must exist (and the caller may see it)
+        try:
+            previous = await store.get_info(name)
+        except (ObjectNotFoundError, NotFoundError):
+            previous = None
     nuid = js._nc._nuid.next().decode()  # nats-py's own id source, as ``put`` uses
     stream = OBJ_STREAM_TEMPLATE.format(bucket=bucket)
     chunk_subject = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=bucket, obj=nuid)

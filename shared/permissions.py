@@ -207,9 +207,17 @@ def _kv_write(bucket: str, keys: str = ">") -> list[str]:
     return [f"$KV.{bucket}.{keys}"]
 
 
-def _object_read(bucket: str) -> list[str]:
+def _object_get(bucket: str) -> list[str]:
+    """An object's metadata and chunks, message by message or in batched direct gets
+    (``object_store.read_object``): no consumer, so none is left behind when retention deletes the
+    object mid-read."""
     stream = _obj_stream(bucket)
-    return [f"{JS_API}.STREAM.MSG.GET.{stream}", f"{JS_API}.DIRECT.GET.{stream}", *_ordered(stream)]
+    return [f"{JS_API}.STREAM.MSG.GET.{stream}", f"{JS_API}.DIRECT.GET.{stream}"]
+
+
+def _object_read(bucket: str) -> list[str]:
+    """``_object_get`` and nats-py's own ``ObjectStore.get`` (an ordered consumer)."""
+    return [*_object_get(bucket), *_ordered(_obj_stream(bucket))]
 
 
 def _object_write(bucket: str) -> list[str]:
@@ -366,14 +374,10 @@ def permissions(role: str, user: str, *, project: str | None = None) -> Permissi
         publish += [
             # The last published adapter, by direct get: no consumer on ARTERY_CHECKPOINTS.
             f"{JS_API}.DIRECT.GET.{subjects.CHECKPOINTS.name}.{published}",
-            # An adapter's metadata and chunks, message by message (``adapters.read_adapter``):
-            # no consumer, so none is left behind when retention deletes the object mid-read.
-            f"{JS_API}.STREAM.MSG.GET.{_obj_stream(adapters)}",
-            f"{JS_API}.DIRECT.GET.{_obj_stream(adapters)}",  # the same, batched
+            *_object_get(adapters),  # published adapters (``adapters.read_adapter``)
             # The same, for a step as the trainer saved it, before the publisher has copied it
             # (``load_saved_adapters``): from the trainers' store, wherever they run.
-            f"{JS_API}.STREAM.MSG.GET.{_obj_stream(state)}",
-            f"{JS_API}.DIRECT.GET.{_obj_stream(state)}",
+            *_object_get(state),
             *_kv_write(replicas),  # its heartbeat
         ]
         subscribe += [

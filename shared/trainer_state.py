@@ -9,9 +9,11 @@ adapter as ``nats-object://artery_trainer_state/<object name>``.
 
 A reader trusts such a URI only as far as the event it came in: the bucket must be this one and
 the object the event's own project, model and step (``adapter_object``), so that no event can
-point a reader at another tenant's adapter. Objects are read message by message, as
-``shared.adapters.read_adapter`` reads the adapters bucket (no consumer, so a reader needs
-``STREAM.MSG.GET`` only and leaves nothing behind), and checked against their size and digest.
+point a reader at another tenant's adapter. Objects are read as the adapters bucket is
+(``shared.object_store.read_object``): in batched direct gets, or a message get a chunk where the
+server or the reader's permissions have no batches; no consumer, so a reader needs
+``STREAM.MSG.GET`` and ``DIRECT.GET`` only and leaves nothing behind. What is read is checked
+against its size and digest.
 
 Errors: a URI or an object refused for good (not there, too large, not the announced bytes)
 raises ``InvalidMessage``; NATS not answering raises ``DependencyUnavailable``.
@@ -109,7 +111,7 @@ async def put(js: JetStreamContext, name: str, data: bytes) -> None:
     if found is not None and found.size == len(data) and found.digest == nats_digest(data):
         return
     try:
-        await write_object(js, BUCKET, name, data)
+        await write_object(js, BUCKET, name, data, previous=found)
     except Exception as exc:
         raise DependencyUnavailable(f"{BUCKET}: put of {name!r} failed: {exc!r}") from exc
 

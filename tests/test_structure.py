@@ -59,7 +59,10 @@ def _trees() -> dict[str, ast.Module]:
     (CPython gh-106905): when any other thread of the test process parses at the same time (3.11
     formats a traceback by parsing the failing line), the conversion raises ``SystemError: AST
     constructor recursion depth mismatch``. A child process has no other threads."""
-    paths = sorted({str(p) for folder in (*FOLDERS, *CODE_FOLDERS) for p in (ROOT / folder).rglob("*.py")})
+    # Resolved: a file under ``artery/``'s linked folders is its top-level folder's file, parsed once.
+    paths = sorted(
+        {str(p.resolve()) for folder in (*FOLDERS, *CODE_FOLDERS) for p in (ROOT / folder).rglob("*.py")}
+    )
     done = subprocess.run(
         [sys.executable, "-c", _PARSE_ALL], input="\n".join(paths).encode(), capture_output=True, check=True
     )
@@ -67,7 +70,7 @@ def _trees() -> dict[str, ast.Module]:
 
 
 def parsed(path: Path) -> ast.Module:
-    return _trees()[str(path)]
+    return _trees()[str(path.resolve())]
 
 
 def imported(path: Path, *, load_time: bool) -> set[str]:

@@ -16,6 +16,7 @@ import tarfile
 import msgspec
 import pytest
 import torch
+from nats.js.errors import NotFoundError
 
 from artery.schemas import (
     CheckpointPublished,
@@ -191,6 +192,21 @@ async def test_the_store_keeps_only_the_newest_steps_of_a_model(js, tmp_path):
     assert await stored_steps(js, trainer_state.STATE, last) == states
     assert await stored_steps(js, trainer_state.ADAPTER, last) == adapters
     assert await trainer_state.info(js, neighbour) is not None  # pruning is per model
+
+
+async def test_other_bytes_for_a_stored_step_replace_it_and_leave_no_old_chunk(js):
+    """``put`` hands the metadata it read to the write, which purges the old version's chunks
+    with it: the stream then holds the new chunks and nothing of the old ones."""
+    name = trainer_state.object_name(PROJECT, MODEL, 1, trainer_state.STATE)
+    await trainer_state.put(js, name, b"a" * 300_000)  # three chunks
+    first = await trainer_state.info(js, name)
+    await trainer_state.put(js, name, b"b" * 200_000)
+    second = await trainer_state.info(js, name)
+    assert first is not None and second is not None and first.nuid != second.nuid
+    assert await trainer_state.get(js, name) == b"b" * 200_000
+    stream = f"OBJ_{trainer_state.BUCKET}"
+    with pytest.raises(NotFoundError):
+        await js.get_msg(stream, seq=1, subject=f"$O.{trainer_state.BUCKET}.C.{first.nuid}", next=True)
 
 
 async def test_a_step_this_worker_never_uploaded_gives_way_to_the_one_stored(js, tmp_path):
