@@ -27,9 +27,9 @@ the local cache, load it as ``<model>@<step>`` and tell the serving state throug
 
 With ``load_saved``, the replica also follows ``checkpoint.saved`` and loads the adapter the
 trainer put in the trainer-state store as soon as it is announced, so the publisher's copy into
-the adapters bucket is off the critical path of a training step. It is read message by message
-(``shared.trainer_state``: no consumer), checked against the saved event's sha256 and size as a
-fetch is; the publisher's ``checkpoint.published`` for that step then finds the same sha256 loaded
+the adapters bucket is off the critical path of a training step. It is read without a consumer
+(``shared.trainer_state``, ``shared.object_store``), checked against the saved event's sha256 and
+size as a fetch is; the publisher's ``checkpoint.published`` for that step then finds the same sha256 loaded
 and does nothing. A saved adapter that cannot be read (NATS away, pruned, another URI such as an
 older trainer's ``file://``) is no error: the published event follows, and the adapter comes from
 the adapters bucket as without ``load_saved``. Only the trainer may publish ``checkpoint.saved``
