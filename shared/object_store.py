@@ -56,6 +56,16 @@ class ObjectGone(ArteryError):
 WRITE_WINDOW = 256
 
 
+def nats_digest(data: bytes) -> str:
+    """The Object Store's spelling of the sha256 of ``data`` (``SHA-256=<base64url>``)."""
+    return OBJ_DIGEST_TEMPLATE.format(digest=base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode())
+
+
+def meta_subject(bucket: str, name: str) -> str:
+    """The subject of object ``name``'s metadata in ``bucket`` (its last message there is it)."""
+    return OBJ_META_PRE_TEMPLATE.format(bucket=bucket, obj=base64.urlsafe_b64encode(name.encode()).decode())
+
+
 class Previous(enum.Enum):
     """``write_object``'s ``previous`` when the caller has not read the object's metadata."""
 
@@ -91,19 +101,15 @@ async def write_object(
     stream = OBJ_STREAM_TEMPLATE.format(bucket=bucket)
     chunk_subject = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=bucket, obj=nuid)
     starts = range(0, len(data), OBJ_DEFAULT_CHUNK_SIZE)
-    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode()
     info = ObjectInfo(
         name=name,
         bucket=bucket,
         nuid=nuid,
         size=len(data),
         chunks=len(starts),
-        digest=OBJ_DIGEST_TEMPLATE.format(digest=digest),
+        digest=nats_digest(data),
         options=ObjectMetaOptions(max_chunk_size=OBJ_DEFAULT_CHUNK_SIZE),
         mtime=datetime.now(UTC).isoformat(),
-    )
-    meta_subject = OBJ_META_PRE_TEMPLATE.format(
-        bucket=bucket, obj=base64.urlsafe_b64encode(name.encode()).decode()
     )
     meta = json.dumps(info.as_dict()).encode()
     try:
@@ -116,7 +122,7 @@ async def write_object(
                     for at in starts[window : window + WRITE_WINDOW]
                 ],
             )
-        await js.publish(meta_subject, meta, headers={Header.ROLLUP: MSG_ROLLUP_SUBJECT})
+        await js.publish(meta_subject(bucket, name), meta, headers={Header.ROLLUP: MSG_ROLLUP_SUBJECT})
     except BaseException:
         await asyncio.shield(_purge_quietly(js, stream, chunk_subject))
         raise

@@ -21,19 +21,25 @@ raises ``InvalidMessage``; NATS not answering raises ``DependencyUnavailable``.
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import json
 
 from nats.js import JetStreamContext
 from nats.js.api import ObjectInfo
 from nats.js.errors import NotFoundError
-from nats.js.object_store import OBJ_META_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE
+from nats.js.object_store import OBJ_STREAM_TEMPLATE
 
 from artery.shared import subjects
 from artery.shared.adapters import MAX_ADAPTER_BYTES
 from artery.shared.errors import DependencyUnavailable, InvalidMessage
-from artery.shared.object_store import ObjectCorrupt, ObjectGone, read_object, write_object
+from artery.shared.object_store import (
+    ObjectCorrupt,
+    ObjectGone,
+    meta_subject,
+    nats_digest,
+    read_object,
+    write_object,
+)
 
 BUCKET = subjects.TRAINER_STATE_BUCKET
 SCHEME = "nats-object"
@@ -80,16 +86,10 @@ def adapter_object(value: str, project: str, model: str, step: int) -> str:
     return name
 
 
-def nats_digest(data: bytes) -> str:
-    """The Object Store's spelling of the sha256 of ``data`` (``SHA-256=<base64url>``)."""
-    return "SHA-256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode()
-
-
 async def info(js: JetStreamContext, name: str) -> ObjectInfo | None:
     """The object's metadata; None when it is not there (never stored, or deleted)."""
-    meta = OBJ_META_PRE_TEMPLATE.format(bucket=BUCKET, obj=base64.urlsafe_b64encode(name.encode()).decode())
     try:
-        msg = await js.get_last_msg(_STREAM, meta)
+        msg = await js.get_last_msg(_STREAM, meta_subject(BUCKET, name))
     except NotFoundError:
         return None
     except Exception as exc:

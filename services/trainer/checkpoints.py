@@ -35,6 +35,7 @@ from artery.shared import trainer_state
 from artery.shared.adapters import AdapterError, check_member_name, pack_adapter
 from artery.shared.errors import DependencyUnavailable, InvalidMessage
 from artery.shared.logs import get_logger
+from artery.shared.object_store import nats_digest
 
 log = get_logger(__name__)
 STEP_FILE = "step.json"
@@ -312,7 +313,7 @@ class PolicyCache:
             local = await asyncio.to_thread((step_dir(self.settings, record, step) / ADAPTER_TAR).read_bytes)
         except OSError:  # a step without its archive: the stored one replaces it
             return False
-        return stored.digest == trainer_state.nats_digest(local)
+        return stored.digest == nats_digest(local)
 
     def _load(self, record: ModelRecord, step: int) -> Policy:
         if record.base_model is None:  # refused before any step is asked of it (service.py)
