@@ -45,7 +45,7 @@ from pathlib import Path
 import httpx
 
 from artery.ops.stack import Stack
-from artery.ops.stack_engine import cpu_has_bf16
+from artery.shared.cpu import cpu_has_bf16
 from artery.shared.models import SMOLLM2, resolve_base_model
 from loadtests import RESULTS_DIR, harness
 from loadtests.chat_client import Round, chat_round, prompts

@@ -18,7 +18,8 @@ from pathlib import Path
 import httpx
 
 from artery.ops.stack import Stack, inference_python
-from artery.ops.stack_engine import cpu_has_bf16, replica_engine
+from artery.ops.stack_engine import replica_engine
+from artery.shared.cpu import cpu_has_bf16
 from artery.shared.embedded import free_port, stop_process
 from artery.shared.models import SMOLLM2, resolve_base_model
 from loadtests.serving_result import serve_flags, stock_vllm_args

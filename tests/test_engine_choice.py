@@ -23,12 +23,12 @@ from artery.ops.stack_engine import (
     EngineChoice,
     ModelFacts,
     choose_engine,
-    cpu_has_bf16,
     model_facts,
     replica_engine,
 )
 from artery.schemas import TrainConfig
 from artery.services.inference.engine import vllm_cpu_lora
+from artery.shared.cpu import cpu_has_bf16
 from artery.shared.models import TINY
 from artery.shared.tiny_model import tiny_model_path
 

@@ -39,11 +39,11 @@ import pytest
 
 import artery as art
 from artery.ops.stack import VLLM_VENV, Stack
-from artery.ops.stack_engine import cpu_has_bf16
 from artery.schemas import CheckpointDeleted, CheckpointPublished, new_event_id
 from artery.shared import bus, subjects
 from artery.shared.adapters import pack_adapter, put_adapter, sha256_hex
 from artery.shared.control_client import live_replicas, pause_replicas, resume_replicas
+from artery.shared.cpu import cpu_has_bf16
 from artery.shared.embedded import NatsServer, free_port
 from artery.shared.models import SMOLLM2
 from artery.shared.settings import CommonSettings

