@@ -45,6 +45,7 @@ from typing import Any
 
 from loadtests import harness
 from loadtests.harness import argv_of, load_average, machine, report, sync_device, table
+from loadtests.synthetic import synthetic_groups
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LEARNING_RATE = 1e-5
@@ -110,29 +111,6 @@ def build_model(shape: str, home: Path) -> Path:
         if (tokenizer_dir / name).exists():
             shutil.copy(tokenizer_dir / name, home / name)
     return home
-
-
-def synthetic_groups(config: Config, tokenizer: Any, rng: random.Random) -> list[list[Any]]:
-    """Trajectories as the inference service records them: sampled ids and their logprobs."""
-    from artery.schemas import Message, Sample, Trajectory
-
-    words = [w for w in tokenizer.get_vocab() if w.isalpha()] or ["a"]
-    special = set(tokenizer.all_special_ids)
-    ordinary = [i for i in range(len(tokenizer)) if i not in special]
-    groups = []
-    for _ in range(config.groups):
-        text = " ".join(rng.choice(words) for _ in range(config.prompt_tokens))
-        prompt = [Message(role="user", content=text)]
-        group = []
-        for j in range(config.group_size):
-            ids = [rng.choice(ordinary) for _ in range(config.completion_tokens)]
-            sample = Sample(
-                token_ids=ids, logprobs=[-rng.uniform(0.5, 3.0) for _ in ids], finish_reason="length"
-            )
-            answer = Message(role="assistant", content=tokenizer.decode(ids), sample=sample)
-            group.append(Trajectory(messages=[*prompt, answer], reward=j / (config.group_size - 1)))
-        groups.append(group)
-    return groups
 
 
 class ArterySide:
@@ -266,7 +244,14 @@ def run(config: Config) -> dict[str, Any]:
         print(f"building a random {config.shape} model ...", flush=True)
         model_path = build_model(config.shape, Path(home))
         artery = ArterySide(config, model_path)
-        groups = synthetic_groups(config, artery.policy.tokenizer, random.Random(config.seed))
+        groups = synthetic_groups(
+            artery.policy.tokenizer,
+            random.Random(config.seed),
+            groups=config.groups,
+            group_size=config.group_size,
+            prompt_tokens=config.prompt_tokens,
+            completion_tokens=config.completion_tokens,
+        )
         baseline = BaselineSide(config, model_path, groups, artery.policy.tokenizer)
         prompt_tokens = sum(baseline.prompt_len)
         before = {name: p.detach().clone() for name, p in artery.policy.named_trainable}
