@@ -58,7 +58,12 @@ WRITE_WINDOW = 256
 
 def nats_digest(data: bytes) -> str:
     """The Object Store's spelling of the sha256 of ``data`` (``SHA-256=<base64url>``)."""
-    return OBJ_DIGEST_TEMPLATE.format(digest=base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode())
+    return nats_digest_of_hex(hashlib.sha256(data).hexdigest())
+
+
+def nats_digest_of_hex(sha256: str) -> str:
+    """The same spelling of a sha256 given in hex (an event's ``sha256``), without the bytes."""
+    return OBJ_DIGEST_TEMPLATE.format(digest=base64.urlsafe_b64encode(bytes.fromhex(sha256)).decode())
 
 
 def meta_subject(bucket: str, name: str) -> str:

@@ -166,6 +166,16 @@ async def test_object_store_round_trip(js, tmp_path):
         await get_adapter(js, "proj/agent/step-404")
 
 
+async def test_both_digest_spellings_are_the_one_nats_py_stores(js):
+    """From the bytes (``nats_digest``) or from an event's hex sha256 (``nats_digest_of_hex``, the
+    publisher's): both equal what nats-py's own ``put`` records, so a repeat upload is seen."""
+    data = os.urandom(200_000)
+    store = await js.object_store(subjects.ADAPTERS_BUCKET)
+    stored = await store.put("proj/agent/digest", data)
+    assert object_store.nats_digest(data) == stored.digest
+    assert object_store.nats_digest_of_hex(sha256_hex(data)) == stored.digest
+
+
 @pytest.mark.parametrize("window", [2, object_store.WRITE_WINDOW])
 async def test_a_pipelined_write_is_the_object_nats_py_itself_reads(js, monkeypatch, window):
     """``write_object`` lays an object out as nats-py's ``put`` does: nats-py's own reader gets

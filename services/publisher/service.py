@@ -24,7 +24,6 @@ Order makes every step safe to repeat, so a redelivery (or a crash anywhere) cha
 
 from __future__ import annotations
 
-import base64
 import uuid
 
 from nats.aio.client import Client as NATS
@@ -43,6 +42,7 @@ from artery.shared.consumer import ConsumerOptions, ConsumingService, DurableCon
 from artery.shared.db import ServicePool
 from artery.shared.errors import DependencyUnavailable, InvalidMessage
 from artery.shared.logs import get_logger
+from artery.shared.object_store import nats_digest_of_hex
 from artery.shared.served_name import served_name
 from artery.shared.subscriber import Delivery, Subscriber
 
@@ -62,11 +62,6 @@ def published_event_id(saved_id: str) -> str:
 
 def deleted_event_id(saved_id: str) -> str:
     return str(uuid.uuid5(_DELETED_NAMESPACE, saved_id))
-
-
-def nats_digest(sha256: str) -> str:
-    """The Object Store's spelling of a sha256 (``SHA-256=<base64url>``)."""
-    return "SHA-256=" + base64.urlsafe_b64encode(bytes.fromhex(sha256)).decode()
 
 
 class Publisher(ConsumingService):
@@ -176,7 +171,7 @@ class Publisher(ConsumingService):
                 info = await bucket.get_info(name)
             except NotFoundError:
                 info = None
-            if info is not None and info.size == len(data) and info.digest == nats_digest(sha256):
+            if info is not None and info.size == len(data) and info.digest == nats_digest_of_hex(sha256):
                 return  # put before a crash: the same bytes are there
             await put_adapter(self.js, name, data)
         except Exception as exc:
