@@ -298,6 +298,12 @@ _TRAINER = (
         dashboard=True,
     ),
     _train("trained", "Trained", "gauge", "1 when the step changed the adapter, else 0"),
+    _train(
+        "autocast_bf16",
+        "bf16 passes",
+        "gauge",
+        "1 when the step's forward and backward ran in bf16 autocast (ARTERY_TRAINER_AUTOCAST), else 0",
+    ),
     _train("groups", "Groups", "counter", "groups the trainer received", "groups"),
     _train("groups_trained", "Groups trained", "counter", "groups with a trained sequence", "groups"),
     _train(

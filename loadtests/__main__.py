@@ -16,6 +16,7 @@ from loadtests import (
     scale_out,
     serving,
     trainer_memory,
+    trainer_precision,
     trainer_step,
     trainer_throughput,
 )
@@ -29,6 +30,8 @@ BENCHMARKS: dict[str, Callable[[list[str]], dict]] = {
     "trainer_memory": trainer_memory.main,
     # Qwen3-0.6B's shape on a GPU; without one, the tiny shape on the CPU.
     "trainer_throughput": trainer_throughput.main,
+    # SmolLM2's demo-sized step in float32 and in bf16 autocast.
+    "trainer_precision": trainer_precision.main,
     "loop": loop.main,
     "scale_out": scale_out.main,
     "control_plane": control_plane.main,

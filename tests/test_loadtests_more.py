@@ -292,6 +292,25 @@ def test_trainer_throughput_benchmark_on_the_tiny_shape(tmp_path):
     assert result["artery_adapter_moved"] > 0
 
 
+def test_trainer_precision_benchmark_on_the_tiny_model(tmp_path):
+    from artery.shared.cpu import cpu_has_bf16
+    from loadtests import trainer_precision
+
+    output = tmp_path / "trainer_precision.json"
+    args = ["--base-model", "artery/tiny-random", "--prompt-tokens", "8", "--completion-tokens", "6"]
+    args += ["--group-size", "4", "--steps", "1", "--warmup", "0", "--threads", "1"]
+    trainer_precision.main([*args, "--output", str(output)])
+    result = json.loads(output.read_text())
+    off, bf16 = result["modes"]["off"], result["modes"]["bfloat16"]
+    # Both modes train the same tokens: every completion token of the step.
+    assert off["trained_tokens_per_step"] == bf16["trained_tokens_per_step"] == 2 * 4 * 6
+    assert off["median_step_s"] > 0 and bf16["median_step_s"] > 0 and result["bf16_vs_float32"] > 0
+    # The passes really ran in bf16: their logprobs differ from float32's, by bf16's rounding.
+    assert 0 < result["logprob_gap"]["mean"] <= result["logprob_gap"]["max"] < 0.5
+    assert result["cpu_has_bf16"] == cpu_has_bf16()
+    assert result["auto_picks"] == ("bfloat16" if cpu_has_bf16() else "off")
+
+
 def test_the_loop_benchmark_trains_a_real_model_at_the_demos_rate():
     """At the tiny model's 1e-2, SmolLM2 collapses to one answer within a few steps and the
     asynchronous mode stops (every group's rewards equal); a real model gets the demo's rate."""

@@ -76,6 +76,8 @@ class DistributedStep(msgspec.Struct, kw_only=True, frozen=True):
     chat_template_kwargs: dict[str, Any] = {}
     #: CPU threads per process (0: torch's default).
     torch_threads: int = 0
+    #: The passes' precision (``precision``: auto, bfloat16, off).
+    autocast: str = "off"
 
 
 @dataclass(frozen=True)
@@ -138,6 +140,7 @@ def run_worker(step: DistributedStep) -> StepResult:
             temperature=step.temperature,
             off_policy=step.off_policy,
             chat_template_kwargs=step.chat_template_kwargs,
+            autocast_mode=step.autocast,
         )
         if dist.get_rank() == 0:
             policy.save(step.output_dir)
@@ -186,6 +189,7 @@ def train_over_processes(
     off_policy: bool = False,
     chat_template_kwargs: dict[str, Any] | None = None,
     torch_threads: int = 0,
+    autocast: str = "off",
 ) -> StepResult:
     """``policy.train_step`` over ``world_size`` processes: ``policy`` is saved under ``workdir``
     (an empty directory), every process restores it and trains its shard, and rank 0's adapter,
@@ -207,12 +211,13 @@ def train_over_processes(
         lora=policy.lora,
         optim=policy.optim,
         device=str(policy.device),
-        dtype=str(policy.model.get_input_embeddings().weight.dtype).removeprefix("torch."),
+        dtype=str(policy.weights_dtype).removeprefix("torch."),
         seed=policy.seed,
         temperature=temperature,
         off_policy=off_policy,
         chat_template_kwargs=dict(chat_template_kwargs or {}),
         torch_threads=torch_threads,
+        autocast=autocast,
     )
     result = launch(step, world_size, spec_path=workdir / "step.json")
     policy.load_adapter_weights(trained / ADAPTER_DIR)

@@ -74,6 +74,7 @@ from artery.services.trainer.optimizer_state import (
     set_rng_state,
     unflatten_optimizer_state,
 )
+from artery.services.trainer.precision import autocast, autocast_dtype
 from artery.services.trainer.sequences import TrainingSequence, build_sequences, pad_batch, sft_sequences
 from artery.services.trainer.step import (
     DataParallel,
@@ -187,6 +188,11 @@ class Policy:
         pad = tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else tokenizer.eos_token_id)
 
+    @property
+    def weights_dtype(self) -> torch.dtype:
+        """The dtype the base weights were loaded in (``resolve_dtype``)."""
+        return self.model.get_input_embeddings().weight.dtype
+
     # --- construction ------------------------------------------------------------------------------
 
     @classmethod
@@ -282,6 +288,7 @@ class Policy:
         budget: StepBudget | None = None,
         should_stop: Callable[[], bool] | None = None,
         prepared: PreparedStep | None = None,
+        autocast_mode: str = "off",
     ) -> StepResult:
         """One GRPO step. ``temperature`` is the sampler's: new logprobs are taken at it, as the
         sampler's old ones were. ``config.grad_accumulation_sequences`` (when set) splits the step's
@@ -290,7 +297,8 @@ class Policy:
         ``budget``: the sequences are checked against it before any tensor is made (raises
         ``BudgetExceeded``). ``should_stop`` is asked before each micro-batch: True raises
         ``StepCancelled`` before the optimizer steps, so a stopping trainer never waits out a step.
-        ``prepared``: ``prepare_step`` of the same groups, done already (its budget checked)."""
+        ``prepared``: ``prepare_step`` of the same groups, done already (its budget checked).
+        ``autocast_mode``: the passes' precision (``precision``: auto, bfloat16, off)."""
         started = time.perf_counter()
         if temperature <= 0:
             raise ValueError("temperature must be > 0 (greedy samples have no logprobs to train on)")
@@ -300,6 +308,8 @@ class Policy:
         loss_fn = cached_loss(settings)  # invalid settings raise here
         # Off-policy: the sampled logprobs weigh each token (truncated IS), not the ratio's "old".
         is_cap = settings.truncated_importance_sampling if off_policy else None
+        corrected = settings.truncated_importance_sampling is not None
+        pass_dtype = autocast_dtype(autocast_mode, self.device, self.weights_dtype, corrected=corrected)
         if prepared is None:
             prepared = self.prepare_step(
                 groups,
@@ -330,7 +340,13 @@ class Policy:
             try:
                 updates = [
                     self._update(
-                        part, loss_fn, config, temperature=temperature, is_cap=is_cap, should_stop=should_stop
+                        part,
+                        loss_fn,
+                        config,
+                        temperature=temperature,
+                        is_cap=is_cap,
+                        should_stop=should_stop,
+                        pass_dtype=pass_dtype,
                     )
                     for part in chunks(sequences, size)
                 ]
@@ -343,6 +359,7 @@ class Policy:
             if self.device.type == "cpu":  # the activations lived in this process's heap
                 release_freed_memory()
         metrics["trained"] = float(skip_reason is None)
+        metrics["autocast_bf16"] = float(pass_dtype == torch.bfloat16)
         metrics["step_time_s"] = time.perf_counter() - started
         return StepResult(
             step=self.step, trained=skip_reason is None, skip_reason=skip_reason, metrics=metrics
@@ -382,9 +399,11 @@ class Policy:
         temperature: float,
         is_cap: float | None = None,
         should_stop: Callable[[], bool] | None = None,
+        pass_dtype: torch.dtype | None = None,
     ) -> dict[str, float]:
         """One optimizer step over ``sequences``, accumulated over micro-batches. ``is_cap``: the
-        samples are off-policy, corrected by truncated importance sampling at that cap."""
+        samples are off-policy, corrected by truncated importance sampling at that cap.
+        ``pass_dtype``: the forward passes autocast to it (None: the weights' dtype)."""
         self.activate()
         model = self.model
         model.train()
@@ -398,10 +417,11 @@ class Policy:
         for micro in chunks(local, self.optim.micro_batch_size):
             _stop_if_asked(self.optimizer, should_stop)
             batch = {k: v.to(self.device) for k, v in pad_batch(micro, self.pad_id).items()}
-            logprobs = next_token_logprobs(model, batch, temperature)  # [B,T-1]
+            with autocast(self.device, pass_dtype):
+                logprobs = next_token_logprobs(model, batch, temperature)  # [B,T-1]
             ref_logprobs = None
             if kl:  # the base model: the same weights with the adapter switched off
-                with torch.no_grad(), model.disable_adapter():
+                with torch.no_grad(), model.disable_adapter(), autocast(self.device, pass_dtype):
                     ref_logprobs = next_token_logprobs(model, batch, temperature)  # [B,T-1]
             old, sampler = batch["old_logprobs"], None  # [B,T-1] NaN where unknown
             if is_cap is not None:
@@ -470,13 +490,15 @@ class Policy:
         budget: StepBudget | None = None,
         should_stop: Callable[[], bool] | None = None,
         prepared: PreparedSFT | None = None,
+        autocast_mode: str = "off",
     ) -> StepResult:
         """One supervised fine-tuning step (ART's ``train_sft``): the trajectories, in order,
         ``config.batch_size`` per optimizer update, each batch at its own learning rate; the loss
         is the cross-entropy of the assistant tokens (every assistant message is trained unless
         ``trainable`` is False; rewards and sampled logprobs play no part). Raises ``ValueError``
         when a list of learning rates does not have one rate per batch; ``budget`` and
-        ``should_stop`` and ``prepared`` (``prepare_sft``) as in ``train_step``."""
+        ``should_stop`` and ``prepared`` (``prepare_sft``) as in ``train_step``; ``autocast_mode``
+        too, but with no sampler to correct for, ``auto`` keeps SFT in the weights' dtype."""
         started = time.perf_counter()
         trajectories = list(trajectories)
         if prepared is None:
@@ -489,12 +511,13 @@ class Policy:
             )
         batches, counts = prepared.batches, dict(prepared.counts)
         rates = [rate for _, rate in batches]
+        pass_dtype = autocast_dtype(autocast_mode, self.device, self.weights_dtype, corrected=False)
         self.step += 1
         updates: list[dict[str, float]] = []
         try:
             for sequences, rate in batches:
                 if sequences:
-                    updates.append(self._sft_update(sequences, rate, should_stop))
+                    updates.append(self._sft_update(sequences, rate, should_stop, pass_dtype))
         except StepCancelled:
             self.step -= 1
             raise
@@ -519,6 +542,7 @@ class Policy:
             if self.device.type == "cpu":
                 release_freed_memory()
         metrics["trained"] = float(skip_reason is None)
+        metrics["autocast_bf16"] = float(pass_dtype == torch.bfloat16)
         metrics["step_time_s"] = time.perf_counter() - started
         return StepResult(
             step=self.step, trained=skip_reason is None, skip_reason=skip_reason, metrics=metrics
@@ -561,8 +585,10 @@ class Policy:
         sequences: list[TrainingSequence],
         learning_rate: float,
         should_stop: Callable[[], bool] | None = None,
+        pass_dtype: torch.dtype | None = None,
     ) -> dict[str, float]:
-        """One optimizer update on ``sequences`` at ``learning_rate``, accumulated over micro-batches."""
+        """One optimizer update on ``sequences`` at ``learning_rate``, accumulated over micro-batches;
+        the forward passes autocast to ``pass_dtype`` (None: the weights' dtype)."""
         self.activate()
         model = self.model
         model.train()
@@ -572,7 +598,8 @@ class Policy:
         for micro in chunks(sequences, self.optim.micro_batch_size):
             _stop_if_asked(self.optimizer, should_stop)
             batch = {k: v.to(self.device) for k, v in pad_batch(micro, self.pad_id).items()}
-            logprobs = next_token_logprobs(model, batch, 1.0)  # [B,T-1]
+            with autocast(self.device, pass_dtype):
+                logprobs = next_token_logprobs(model, batch, 1.0)  # [B,T-1]
             loss = sft_loss(logprobs, batch["assistant_mask"], num_tokens)
             loss.backward()
             loss_sum += float(loss.detach())

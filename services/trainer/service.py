@@ -505,6 +505,7 @@ class Trainer(ConsumingService):
             step=new_step,
             loss=metrics.get("loss"),
             reward_mean=metrics.get("reward_mean"),
+            bf16_passes=bool(metrics.get("autocast_bf16", 0.0)),
         )
         completed = await announce.complete(self.js, request, new_step, metrics)
         await announce.prune_stored_steps(self.js, request.project, request.model, new_step)
@@ -588,6 +589,7 @@ class Trainer(ConsumingService):
                 chat_template_kwargs=template,
                 should_stop=should_stop,
                 prepared=prepared,
+                autocast_mode=self.settings.autocast,
             )
             return result, {}
         extra: dict[str, float] = {}
@@ -622,6 +624,7 @@ class Trainer(ConsumingService):
             chat_template_kwargs=template,
             should_stop=should_stop,
             prepared=prepared,
+            autocast_mode=self.settings.autocast,
         )
         return result, extra
 
@@ -644,6 +647,7 @@ class Trainer(ConsumingService):
                 off_policy=off_policy,
                 chat_template_kwargs=record.chat_template_kwargs,
                 torch_threads=self.settings.torch_threads,
+                autocast=self.settings.autocast,
             )
 
     async def _prepare(self, policy, step: int, request: TrainRequest, record: ModelRecord, groups: list):

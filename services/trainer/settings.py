@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
 from artery.shared.settings import doc
 
 PREFIX = "ARTERY_TRAINER_"
+
+#: The training passes' precision (``precision``): auto, bfloat16 or off.
+Autocast = Literal["auto", "bfloat16", "off"]
 
 
 class TrainerSettings(msgspec.Struct, kw_only=True, frozen=True):
@@ -72,6 +75,14 @@ class TrainerSettings(msgspec.Struct, kw_only=True, frozen=True):
         int,
         doc("CPU threads torch may use (0: torch's default, every core); set it when sharing cores", ge=0),
     ] = 0
+    autocast: Annotated[
+        Autocast,
+        doc(
+            "precision of the training passes (weights and optimizer stay float32): auto runs them in"
+            " bf16 on a CPU with bf16 instructions when the samples are corrected by truncated"
+            " importance sampling (a bf16 sampler's); bfloat16 always; off never"
+        ),
+    ] = "auto"
     # What one request may cost, checked before a tensor is made: a request over any of these
     # fails at once with ``train.failed`` (not retriable) naming the budget and the figures.
     max_request_mib: Annotated[

@@ -1,0 +1,59 @@
+"""The precision of the trainer's forward and backward passes: float32, or bf16 autocast.
+
+The weights, the adapter and the optimizer stay in the policy's dtype (float32 on the CPU)
+whatever is chosen here; autocast only runs the matmuls of a pass in bfloat16, keeping reductions
+such as the log-softmax in float32 (``logprobs.TokenLogprobs`` upcasts each chunk of logits).
+
+``auto`` (the trainer's default) autocasts a step when three things hold:
+
+- the policy's weights are float32 on the CPU (on a GPU the policy is already bf16 where the GPU
+  has it, ``policy.resolve_dtype``);
+- the CPU multiplies bf16 natively (``artery.shared.cpu.cpu_has_bf16``): without the instructions
+  bf16 is a slow path, not a fast one;
+- the step's samples are corrected by truncated importance sampling (the request's
+  ``truncated_importance_sampling`` or an asynchronous step): their logprobs already came from
+  other numerics than the trainer's (vLLM-CPU's bf16, ``LocalBackend`` sets the cap then), and
+  the importance weight corrects the trainer's bf16 passes along with the sampler's. A step
+  trained on the sampler's logprobs as they are (no cap) stays float32, so that a float32 sampler
+  and the trainer agree exactly and the first ratio is 1.
+
+``bfloat16`` autocasts every pass (GRPO and SFT) on any device; ``off`` never does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import get_args
+
+import torch
+
+from artery.services.trainer.settings import Autocast
+from artery.shared.cpu import cpu_has_bf16
+
+AUTOCAST_MODES: tuple[str, ...] = get_args(Autocast)
+
+
+def autocast_dtype(
+    mode: str, device: torch.device, weights: torch.dtype, *, corrected: bool, bf16_cpu: bool | None = None
+) -> torch.dtype | None:
+    """The dtype a pass autocasts to under ``mode`` (module docstring), or None for none.
+    ``corrected``: the step's samples are weighed by truncated importance sampling.
+    ``bf16_cpu``: whether the CPU has bf16 instructions (None: read them from this machine)."""
+    if mode not in AUTOCAST_MODES:
+        raise ValueError(f"autocast must be one of {', '.join(AUTOCAST_MODES)}, not {mode!r}")
+    if mode == "off":
+        return None
+    if mode == "bfloat16":
+        return torch.bfloat16
+    if device.type != "cpu" or weights != torch.float32 or not corrected:
+        return None
+    if bf16_cpu is None:
+        bf16_cpu = cpu_has_bf16()
+    return torch.bfloat16 if bf16_cpu else None
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    """``torch.autocast`` to ``dtype`` on ``device``'s type; nothing when ``dtype`` is None."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
