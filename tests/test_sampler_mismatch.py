@@ -20,7 +20,7 @@ from artery.schemas import TrainConfig
 from artery.services.trainer.losses import LossConfig, LossInputs, select_loss
 from artery.services.trainer.policy import LoraSettings, OptimSettings, Policy
 from artery.shared.tiny_model import tiny_model_path
-from artery.testing.tasks import half_alphabet_reward, half_alphabet_task_prompt, sample_trajectories
+from artery.testing.tasks import half_alphabet_groups
 
 CAP = 2.0
 MAX_SEQ_LEN = 256
@@ -88,17 +88,7 @@ def test_a_synchronous_step_honours_the_cap(model_path):
     for cap in (None, CAP):
         policy = make_policy(model_path)
         torch.manual_seed(1)
-        groups = [
-            sample_trajectories(
-                bf16_sampler(policy),
-                policy.tokenizer,
-                half_alphabet_task_prompt(),
-                half_alphabet_reward,
-                n=8,
-                max_new_tokens=8,
-            )
-            for _ in range(2)
-        ]
+        groups = half_alphabet_groups(bf16_sampler(policy), policy.tokenizer)
         config = TrainConfig(learning_rate=1e-2, truncated_importance_sampling=cap)
         results[cap] = policy.train_step(groups, config, max_seq_len=MAX_SEQ_LEN).metrics
     assert results[CAP]["trained"] == results[None]["trained"] == 1.0
@@ -116,17 +106,7 @@ def test_learns_from_bf16_samples_with_truncated_importance_sampling(model_path)
     curve = []
     for _ in range(60):
         sampler = bf16_sampler(policy)
-        groups = [
-            sample_trajectories(
-                sampler,
-                policy.tokenizer,
-                half_alphabet_task_prompt(),
-                half_alphabet_reward,
-                n=8,
-                max_new_tokens=8,
-            )
-            for _ in range(2)
-        ]
+        groups = half_alphabet_groups(sampler, policy.tokenizer)
         result = policy.train_step(groups, config, max_seq_len=MAX_SEQ_LEN)
         assert result.metrics.get("ratio_mean", 1.0) == pytest.approx(1.0, abs=1e-9)
         curve.append(round(result.metrics["reward_mean"], 3))

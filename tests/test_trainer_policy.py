@@ -25,7 +25,7 @@ from artery.services.trainer.policy import (
 )
 from artery.services.trainer.sequences import build_sequences, pad_batch
 from artery.shared.tiny_model import tiny_model_path
-from artery.testing.tasks import half_alphabet_reward, half_alphabet_task_prompt, sample_trajectories
+from artery.testing.tasks import half_alphabet_groups
 
 MAX_SEQ_LEN = 256
 PROMPT = [{"role": "user", "content": "Say something."}]
@@ -439,17 +439,7 @@ def test_learns_the_half_alphabet_task(model_path):
     curve = []
     for _ in range(60):
         policy.model.eval()
-        groups = [
-            sample_trajectories(
-                policy.model,
-                policy.tokenizer,
-                half_alphabet_task_prompt(),
-                half_alphabet_reward,
-                n=8,
-                max_new_tokens=8,
-            )
-            for _ in range(2)
-        ]
+        groups = half_alphabet_groups(policy.model, policy.tokenizer)
         result = policy.train_step(groups, config, max_seq_len=MAX_SEQ_LEN)
         curve.append(round(result.metrics["reward_mean"], 3))
         if curve[-1] >= 0.8:

@@ -16,7 +16,7 @@ from artery.services.trainer.policy import LoraSettings, OptimSettings, Policy
 from artery.services.trainer.precision import autocast, autocast_dtype
 from artery.shared.cpu import cpu_has_bf16
 from artery.shared.tiny_model import tiny_model_path
-from artery.testing.tasks import half_alphabet_reward, half_alphabet_task_prompt, sample_trajectories
+from artery.testing.tasks import half_alphabet_groups
 
 CAP = 2.0
 MAX_SEQ_LEN = 256
@@ -56,20 +56,9 @@ def make_policy(model_path) -> Policy:
     return Policy.create(model_path, LoraSettings(), OptimSettings(micro_batch_size=16), seed=0)
 
 
-def bf16_sampled_groups(policy: Policy, groups: int = 2) -> list:
+def bf16_sampled_groups(policy: Policy) -> list:
     """Half-alphabet groups sampled by the policy as a bf16 replica serves it (2 x 8, <= 8 tokens)."""
-    sampler = copy.deepcopy(policy.model).to(torch.bfloat16).eval()
-    return [
-        sample_trajectories(
-            sampler,
-            policy.tokenizer,
-            half_alphabet_task_prompt(),
-            half_alphabet_reward,
-            n=8,
-            max_new_tokens=8,
-        )
-        for _ in range(groups)
-    ]
+    return half_alphabet_groups(copy.deepcopy(policy.model).to(torch.bfloat16).eval(), policy.tokenizer)
 
 
 def test_autocast_logprobs_are_the_float32_ones_to_bf16_precision(model_path):

@@ -196,6 +196,20 @@ def sample_trajectories(
     return trajectories
 
 
+def half_alphabet_groups(
+    model: Any, tokenizer: Any, *, groups: int = 2, rollouts: int = 8, max_new_tokens: int = 8
+) -> list[list[Trajectory]]:
+    """A GRPO step's groups of the half-alphabet task sampled from ``model`` (the learning tests'
+    shape: 2 groups of 8 rollouts, at most 8 tokens each)."""
+    prompt = half_alphabet_task_prompt()
+    return [
+        sample_trajectories(
+            model, tokenizer, prompt, half_alphabet_reward, n=rollouts, max_new_tokens=max_new_tokens
+        )
+        for _ in range(groups)
+    ]
+
+
 def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     if eos is None:
