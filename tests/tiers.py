@@ -46,6 +46,7 @@ TIER_OF_MODULE: dict[str, str] = {
     "test_trainer_policy.py": "unit",
     "test_lora_slots.py": "unit",
     "test_sampler_mismatch.py": "unit",
+    "test_trainer_precision.py": "unit",
     "test_auto_trajectory.py": "unit",
     "test_art_newest_names.py": "unit",
     # -- contract
