@@ -72,8 +72,8 @@ class EventDecoder:
             raise InvalidMessage("validation", str(exc)) from exc
         except msgspec.DecodeError as exc:
             raise InvalidMessage("decode", f"not valid {content_type}: {exc}") from exc
-        # msgspec raises these outside DecodeError: invalid UTF-8 in a string, and nesting deeper
-        # than the interpreter's recursion limit. Both are the sender's fault, not ours.
+        # msgspec raises these outside DecodeError: invalid UTF-8 in a string (before 0.23), and
+        # nesting deeper than the interpreter's recursion limit. Both are the sender's fault.
         except UnicodeDecodeError as exc:
             raise InvalidMessage("decode", f"not valid {content_type}: {exc}") from exc
         except RecursionError:
@@ -151,7 +151,11 @@ def check_msgpack(data: bytes, *, limit: int = MAX_NESTING) -> None:
     """The msgpack counterpart of ``check_json``: every string UTF-8, nesting within ``limit``.
 
     Decoded once without a type (that reads every key and string, the ones a typed decode skips),
-    then walked without recursion. Data that is not msgpack at all is left to the typed decode.
+    then walked without recursion. What this decode refuses, the typed one would refuse too, or
+    skip unread: msgspec 0.23 reports invalid UTF-8 as a ``DecodeError`` (earlier versions as a
+    ``UnicodeDecodeError``), and a typed decode skips an unknown key's bytes, so letting a
+    ``DecodeError`` through to it accepted text that is not UTF-8. A map key that cannot be a
+    Python dict key (``TypeError``) is left to the typed decode.
     """
     try:
         value = msgspec.msgpack.decode(data)
@@ -159,7 +163,9 @@ def check_msgpack(data: bytes, *, limit: int = MAX_NESTING) -> None:
         raise InvalidMessage("decode", f"a string is not valid UTF-8: {exc}") from None
     except RecursionError:
         raise NestedTooDeeply(f"maps and arrays nest deeper than the limit of {limit}") from None
-    except (msgspec.DecodeError, ValueError, TypeError):
+    except msgspec.DecodeError as exc:
+        raise InvalidMessage("decode", f"not valid {MSGPACK}: {exc}") from None
+    except (ValueError, TypeError):
         return
     if nesting_depth(value, limit) > limit:
         raise NestedTooDeeply(f"maps and arrays nest deeper than the limit of {limit}")
