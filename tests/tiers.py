@@ -54,6 +54,7 @@ TIER_OF_MODULE: dict[str, str] = {
     "test_docs.py": "contract",
     "test_one_owner.py": "contract",
     "test_packaging.py": "contract",
+    "test_locked_versions.py": "contract",  # constraints/ against pyproject and the Makefile
     "test_structure.py": "contract",
     "test_tiers.py": "contract",
     "test_kubernetes.py": "contract",  # the manifests against the Kubernetes schemas, offline
