@@ -74,12 +74,6 @@ def decode_group(
         if non_finite is None:
             raise
         raise non_finite from None
-    # msgspec raises these outside its DecodeError; escaping the handler, they failed (and
-    # redelivered) the whole batch, good groups included, until all were dead-lettered as poison.
-    except UnicodeDecodeError as exc:
-        raise InvalidMessage("decode", f"a string is not valid UTF-8: {exc}") from None
-    except RecursionError:
-        raise InvalidMessage("decode", "nested too deeply to decode") from None
     if not isinstance(group, TrajectoryGroupSubmitted):
         raise InvalidMessage(
             "wrong_event", f"a {type(group).__name__} is not a trajectory group", original_id=group.id

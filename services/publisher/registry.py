@@ -92,10 +92,7 @@ class RegistryServer:
     ) -> ModelRecord:
         if len(data) > MAX_REQUEST_BYTES:
             raise InvalidMessage("too_large", f"{len(data)} bytes is more than {MAX_REQUEST_BYTES}")
-        try:
-            request = _decoder.decode(data, content_type)
-        except (UnicodeDecodeError, RecursionError) as exc:  # outside msgspec's DecodeError
-            raise InvalidMessage("decode", str(exc)) from None
+        request = _decoder.decode(data, content_type)
         requested = request.record
         if {(request.project, request.model), (requested.project, requested.name)} != {(project, model)}:
             raise InvalidMessage(
