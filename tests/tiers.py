@@ -45,6 +45,7 @@ TIER_OF_MODULE: dict[str, str] = {
     "test_tiny_model.py": "unit",
     "test_trainer_policy.py": "unit",
     "test_lora_slots.py": "unit",
+    "test_adapter_users.py": "unit",
     "test_sampler_mismatch.py": "unit",
     "test_trainer_precision.py": "unit",
     "test_auto_trajectory.py": "unit",

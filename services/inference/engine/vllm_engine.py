@@ -31,13 +31,15 @@ is refused at load with a message.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 from typing import Any
 
+from artery.services.inference.engine.adapter_users import AdapterUsers
 from artery.services.inference.engine.base import (
     Completion,
     EngineError,
@@ -97,6 +99,7 @@ class VLLMEngine:
         self._extra_args = dict(engine_args or {})
         self._engine: Any = None  # vLLM's AsyncLLM, once started (vLLM is optional: no types)
         self._loras: dict[str, Any] = {}  # served name -> LoRARequest
+        self._lora_users = AdapterUsers()  # by lora_int_id: removed from vLLM once unused
         self._lora_ids = itertools.count(1)
         self._can_sleep = False
         self._sleeping = False
@@ -170,8 +173,6 @@ class VLLMEngine:
         )
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[TokenStep]:
-        from vllm import TokensPrompt
-
         if self._engine is None:
             raise EngineError("engine not started")
         lora = self._warm_lora  # the base model's requests: the warm-start adapter, when there is one
@@ -180,6 +181,14 @@ class VLLMEngine:
             if lora is None:
                 raise UnknownAdapter(request.adapter)
         k = request.params.top_logprobs if request.params.logprobs else 0
+        with self._lora_users.using(lora.lora_int_id if lora is not None else None):
+            async with contextlib.aclosing(self._generate(request, lora, k)) as steps:
+                async for step in steps:
+                    yield step
+
+    async def _generate(self, request: GenerationRequest, lora: Any, k: int) -> AsyncGenerator[TokenStep]:
+        from vllm import TokensPrompt
+
         try:
             outputs = self._engine.generate(
                 TokensPrompt(prompt_token_ids=list(request.prompt_token_ids)),
@@ -247,12 +256,18 @@ class VLLMEngine:
         previous = self._loras.get(name)
         self._loras[name] = request
         if previous is not None:
-            await self._engine.remove_lora(previous.lora_int_id)
+            await self._remove_when_unused(previous)
 
     async def unload_adapter(self, name: str) -> None:
+        """New requests for ``name`` fail at once; returns when vLLM no longer needs its files."""
         request = self._loras.pop(name, None)
         if request is not None and self._engine is not None:
-            await self._engine.remove_lora(request.lora_int_id)
+            await self._remove_when_unused(request)
+
+    async def _remove_when_unused(self, request: Any) -> None:
+        """vLLM re-reads an adapter's files while requests use it (``adapter_users``)."""
+        await self._lora_users.finished(request.lora_int_id)
+        await self._engine.remove_lora(request.lora_int_id)
 
     def adapters(self) -> list[str]:
         return list(self._loras)
