@@ -152,16 +152,20 @@ kube-test: setup
 # the same release from their own index). Then `make test` (and CI) proves them before they land.
 LOCK_VENV := .venv-lock
 
-lock:
+# $(call fresh_lock,requirements,what installs them,lock file): the newest releases of the
+# requirements, installed alone in a scratch venv and frozen into the lock file.
+define fresh_lock
 	rm -rf $(LOCK_VENV) && $(PYTHON) -m venv $(LOCK_VENV)
 	$(LOCK_VENV)/bin/python -m pip install -q --upgrade pip
-	$(LOCK_VENV)/bin/python -m pip install -q -e '.[$(SETUP_EXTRAS)]' $(SMOLLM2_TOOLS)
-	$(LOCK_VENV)/bin/python constraints/freeze.py $(LOCK_VENV) 'make setup, make prepare-model' > $(LOCK)
-	rm -rf $(LOCK_VENV) && $(PYTHON) -m venv $(LOCK_VENV)
-	$(LOCK_VENV)/bin/python -m pip install -q --upgrade pip
-	$(LOCK_VENV)/bin/python -m pip install -q $(VLLM_REQUIREMENTS)
-	$(LOCK_VENV)/bin/python constraints/freeze.py $(LOCK_VENV) 'make setup-vllm' > $(VLLM_LOCK)
+	$(LOCK_VENV)/bin/python -m pip install -q $(1)
+	$(LOCK_VENV)/bin/python constraints/freeze.py $(LOCK_VENV) '$(2)' > $(3)
 	rm -rf $(LOCK_VENV)
+endef
+comma := ,
+
+lock:
+	$(call fresh_lock,-e '.[$(SETUP_EXTRAS)]' $(SMOLLM2_TOOLS),make setup$(comma) make prepare-model,$(LOCK))
+	$(call fresh_lock,$(VLLM_REQUIREMENTS),make setup-vllm,$(VLLM_LOCK))
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info site

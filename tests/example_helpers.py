@@ -3,7 +3,6 @@ the judge's answer by trajectory id, and the history a run wrote."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import subprocess
@@ -14,17 +13,14 @@ from types import ModuleType, SimpleNamespace
 from openai.types.chat import ChatCompletion
 
 from artery.testing.judge import scores_json
+from tests.helpers import load_script
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 def load_example(name: str) -> ModuleType:
     """``examples/<name>/train.py`` as a module (the examples are scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / name / "train.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(EXAMPLES / name / "train.py", f"example_{name}")
 
 
 def script_help(name: str) -> str:

@@ -1,4 +1,4 @@
-"""What many test modules share: waiting on a condition, and one fake inference engine.
+"""What many test modules share: waiting on a condition, loading a script, and one fake inference engine.
 
 The fake engine stands in for vLLM / transformers wherever a test needs the engine's contract and
 not its model: a character-level tokenizer and a fixed reply make every token checkable, and the
@@ -8,9 +8,11 @@ same object records the pause calls (``sleep``/``wake``) and adapter loads a rep
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from artery.schemas import CheckpointSaved, new_event_id
@@ -49,6 +51,15 @@ async def wait_until(predicate: Callable[[], object], timeout: float = 10.0) -> 
     while not predicate():
         assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
         await asyncio.sleep(0.02)
+
+
+def load_script(path: Path, name: str) -> ModuleType:
+    """A Python file that is not in a package (a Makefile's helper, an example's script) as a module."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None, f"{path} is not a Python file"
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 # --------------------------------------------------------------------------- the fake engine

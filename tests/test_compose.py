@@ -47,6 +47,7 @@ from artery.shared.auth import NatsAuthSettings, nats_connect_options
 from artery.shared.embedded import free_port, nats_server_binary, stop_process, wait_for_port
 from artery.shared.permissions import ROLES
 from artery.shared.settings import CommonSettings, describe, load
+from tests.helpers import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_DIR = ROOT / "compose"
@@ -299,10 +300,7 @@ def pyproject() -> dict:
 
 def requirements_lister():
     """compose/requirements.py, what the Dockerfiles install dependencies with (not a package)."""
-    spec = importlib.util.spec_from_file_location("compose_requirements", COMPOSE_DIR / "requirements.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(COMPOSE_DIR / "requirements.py", "compose_requirements")
 
 
 def requirements_of_extras(extras: set[str]) -> list[Requirement]:

@@ -6,21 +6,18 @@ read on the forge, outside MkDocs, so its links are checked here.
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from pathlib import Path
 
 from artery.shared.settings import describe
+from tests.helpers import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 
 
 def load_generator():
-    spec = importlib.util.spec_from_file_location("gen_config", ROOT / "docs" / "gen_config.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "docs" / "gen_config.py", "gen_config")
 
 
 def test_readme_is_a_front_page():

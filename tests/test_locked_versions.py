@@ -4,7 +4,6 @@ installs what CI tested and a new release upstream changes nothing until ``make 
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import shlex
 import tomllib
@@ -15,16 +14,10 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
+from tests.helpers import load_script
+
 ROOT = Path(__file__).resolve().parent.parent
 PIN = re.compile(r"^(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)==(?P<version>[0-9][^\s+;#]*)$")
-
-
-def _module(path: Path, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def makefile_value(variable: str) -> str:
@@ -52,7 +45,7 @@ def project() -> dict:
 def asked_by_setup() -> list[Requirement]:
     """The core, ``make setup``'s extras (their links to other extras resolved, as the Dockerfiles
     resolve them) and ``make prepare-model``'s converter."""
-    lister = _module(ROOT / "compose" / "requirements.py", "compose_requirements")
+    lister = load_script(ROOT / "compose" / "requirements.py", "compose_requirements")
     extras = makefile_value("SETUP_EXTRAS").split(",")
     tools = shlex.split(makefile_value("SMOLLM2_TOOLS"))
     return [Requirement(r) for r in lister.requirements(project(), extras) + tools]
@@ -94,7 +87,7 @@ def test_every_install_of_the_makefile_takes_its_lock():
 
 
 def test_freeze_drops_local_labels_and_the_editable_project():
-    freeze = _module(ROOT / "constraints" / "freeze.py", "constraints_freeze")
+    freeze = load_script(ROOT / "constraints" / "freeze.py", "constraints_freeze")
     output = "\n".join(
         [
             "# Editable install with no version control (artery==0.1.0)",

@@ -6,7 +6,6 @@ the model's calls there."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import socket
 import sys
@@ -22,6 +21,7 @@ uvicorn = pytest.importorskip("uvicorn")
 import artery.mcp as art_mcp  # noqa: E402  (after the skip: it needs the mcp package)
 from artery.testing.judge import serve_scripted_judge  # noqa: E402
 from tests.example_helpers import FakeClient, completion  # noqa: E402
+from tests.helpers import load_script  # noqa: E402
 
 SERVER = Path(__file__).resolve().parent.parent / "examples" / "mcp_rl" / "server.py"
 TOOL_NAMES = ["convert_length", "convert_mass", "convert_temperature", "list_units"]
@@ -32,11 +32,7 @@ def call(call_id: str, name: str, arguments: str) -> dict:
 
 
 def load_server_module():
-    spec = importlib.util.spec_from_file_location("mcp_rl_server", SERVER)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SERVER, "mcp_rl_server")
 
 
 @pytest.fixture
