@@ -17,6 +17,7 @@ import uuid
 
 import msgspec
 from nats.js import JetStreamContext
+from nats.js.kv import KeyValue
 
 from artery.schemas import CheckpointSaved, ModelRecord, TrainCompleted, TrainFailed, TrainRequest
 from artery.services.trainer import checkpoints
@@ -119,9 +120,8 @@ async def prune_stored_steps(js: JetStreamContext, project: str, model: str, new
         log.warning("pruning the trainer-state store failed; the next step tries again", error=str(exc))
 
 
-async def advance_registry(js: JetStreamContext, request: TrainRequest, step: int) -> None:
+async def advance_registry(kv: KeyValue, request: TrainRequest, step: int) -> None:
     """The model's step in the registry, compare-and-set so a concurrent register keeps its fields."""
-    kv = await js.key_value(subjects.MODELS_BUCKET)
     key = subjects.model_key(request.project, request.model)
     for _ in range(10):
         found = await read_record(kv, request.project, request.model)

@@ -50,6 +50,7 @@ from pathlib import Path
 import msgspec
 import nats
 from nats.aio.msg import Msg
+from nats.js.kv import KeyValue
 from opentelemetry import trace
 
 from artery.schemas import (
@@ -153,6 +154,7 @@ class Trainer(ConsumingService):
     def __init__(self, nc: nats.NATS, dsn: str, settings: TrainerSettings, *, holder: Holder | None = None):
         self.nc = nc
         self.js = nc.jetstream()
+        self._models_kv: KeyValue | None = None  # the registry's bucket, looked up at first use
         self.settings = settings
         # This worker in the pool: what its models' leases name (and its pauses).
         self.holder = holder or Holder(worker=worker_id(settings))
@@ -367,7 +369,7 @@ class Trainer(ConsumingService):
                     original_id=request.id,
                 )
             # A crash between recording the step and advancing the registry left it behind.
-            await announce.advance_registry(self.js, request, step)
+            await announce.advance_registry(await self._models(), request, step)
             return await announce.complete(self.js, request, step, metrics)
         record = await self._model_record(request)
         try:
@@ -389,10 +391,14 @@ class Trainer(ConsumingService):
         except StepRefused as exc:  # asking again cannot help: the agent must hear why
             return await announce.fail(self.js, request, str(exc), retriable=False)
 
+    async def _models(self) -> KeyValue:
+        """The model registry's bucket; looking it up is a round trip, so a step does it once."""
+        if self._models_kv is None:
+            self._models_kv = await self.js.key_value(subjects.MODELS_BUCKET)
+        return self._models_kv
+
     async def _model_record(self, request: TrainRequest) -> ModelRecord:
-        found = await read_record(
-            await self.js.key_value(subjects.MODELS_BUCKET), request.project, request.model
-        )
+        found = await read_record(await self._models(), request.project, request.model)
         if found is None:  # never registered, or its record is not valid (an agent writes it)
             raise InvalidMessage(
                 "unknown_model",
@@ -490,7 +496,7 @@ class Trainer(ConsumingService):
                 trained=bool(metrics.get("trained", 1.0)),
                 metrics=metrics,
             )
-        await announce.advance_registry(self.js, request, new_step)
+        await announce.advance_registry(await self._models(), request, new_step)
         metrics["step_total_s"] = time.monotonic() - started
         announce.observe(metrics)
         span = trace.get_current_span()

@@ -29,8 +29,10 @@ class AdapterUsers:
         if key is None:
             yield
             return
-        self._running[key] = self._running.get(key, 0) + 1
-        self._idle.setdefault(key, asyncio.Event())
+        running = self._running.get(key, 0)
+        self._running[key] = running + 1
+        if not running:  # the first request since the adapter was last idle
+            self._idle[key] = asyncio.Event()
         try:
             yield
         finally:
