@@ -17,6 +17,7 @@ from loadtests import (
     serving,
     trainer_memory,
     trainer_precision,
+    trainer_shared_prompt,
     trainer_step,
     trainer_throughput,
 )
@@ -32,6 +33,8 @@ BENCHMARKS: dict[str, Callable[[list[str]], dict]] = {
     "trainer_throughput": trainer_throughput.main,
     # SmolLM2's demo-sized step in float32 and in bf16 autocast.
     "trainer_precision": trainer_precision.main,
+    # The same step with each group's prompt passed once, against every row passed whole.
+    "trainer_shared_prompt": trainer_shared_prompt.main,
     "loop": loop.main,
     "scale_out": scale_out.main,
     "control_plane": control_plane.main,

@@ -23,6 +23,7 @@ import random
 import statistics
 import time
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -67,17 +68,14 @@ def logprob_gap(policy: Any, groups: list[list[Any]], config: Any, max_seq_len: 
     return {"mean": round(float(gap.mean()), 5), "max": round(float(gap.max()), 5)}
 
 
-def run(config: Config) -> dict[str, Any]:
+def demo_shaped_step(config: Config) -> tuple[Any, list[list[Any]]]:
+    """A fresh policy of ``config.base_model`` and synthetic groups, each answering one prompt."""
     import torch
 
-    from artery.schemas import TrainConfig
     from artery.services.trainer.policy import Policy
-    from artery.services.trainer.precision import autocast_dtype
-    from artery.shared.cpu import cpu_has_bf16
     from artery.shared.models import resolve_base_model
 
     torch.set_num_threads(config.threads)
-    load_before = load_average()
     policy = Policy.create(resolve_base_model(config.base_model), seed=config.seed)
     groups = synthetic_groups(
         policy.tokenizer,
@@ -87,15 +85,25 @@ def run(config: Config) -> dict[str, Any]:
         prompt_tokens=config.prompt_tokens,
         completion_tokens=config.completion_tokens,
     )
-    train_config = TrainConfig(learning_rate=LEARNING_RATE, truncated_importance_sampling=TIS_CAP)
-    max_seq_len = 2 * (config.prompt_tokens + config.completion_tokens) + 64
-    times: dict[str, list[float]] = {mode: [] for mode in MODES}
+    return policy, groups
+
+
+def max_seq_len_of(config: Config) -> int:
+    return 2 * (config.prompt_tokens + config.completion_tokens) + 64
+
+
+def alternate(
+    config: Config, modes: Sequence[str], step: Callable[[str], Any]
+) -> tuple[dict[str, float], int]:
+    """``step(mode)`` for each mode in turn, ``config.warmup`` rounds uncounted and then
+    ``config.steps``: each mode's median seconds, and the tokens a step trained."""
+    times: dict[str, list[float]] = {mode: [] for mode in modes}
     trained = 0
     for index in range(config.warmup + config.steps):
         line = []
-        for mode in MODES:
+        for mode in modes:
             started = time.perf_counter()
-            result = policy.train_step(groups, train_config, max_seq_len=max_seq_len, autocast_mode=mode)
+            result = step(mode)
             elapsed = time.perf_counter() - started
             if not result.trained:
                 raise RuntimeError(f"the {mode} step trained nothing: {result.skip_reason}")
@@ -105,7 +113,25 @@ def run(config: Config) -> dict[str, Any]:
             line.append(f"{mode} {elapsed:.3f} s")
         label = "step" if index >= config.warmup else "warm-up"
         print(f"{label} {index + 1}: {', '.join(line)}", flush=True)
-    medians = {mode: statistics.median(times[mode]) for mode in MODES}
+    return {mode: statistics.median(times[mode]) for mode in modes}, trained
+
+
+def run(config: Config) -> dict[str, Any]:
+    import torch
+
+    from artery.schemas import TrainConfig
+    from artery.services.trainer.precision import autocast_dtype
+    from artery.shared.cpu import cpu_has_bf16
+
+    load_before = load_average()
+    policy, groups = demo_shaped_step(config)
+    train_config = TrainConfig(learning_rate=LEARNING_RATE, truncated_importance_sampling=TIS_CAP)
+    max_seq_len = max_seq_len_of(config)
+    medians, trained = alternate(
+        config,
+        MODES,
+        lambda mode: policy.train_step(groups, train_config, max_seq_len=max_seq_len, autocast_mode=mode),
+    )
     bf16_cpu = cpu_has_bf16()
     auto = autocast_dtype("auto", policy.device, policy.weights_dtype, corrected=True, bf16_cpu=bf16_cpu)
     return {
@@ -127,19 +153,23 @@ def run(config: Config) -> dict[str, Any]:
     }
 
 
-def render(result: dict[str, Any]) -> str:
+def mode_table(modes: dict[str, dict[str, Any]], names: dict[str, str]) -> list[str]:
+    """Each mode's ``run`` figures as table lines, the mode shown by its name in ``names``."""
     rows: list[tuple[str, ...]] = [("passes", "median step s", "trained tok/step", "trained tok/s")]
-    for mode, f in result["modes"].items():
-        name = "float32" if mode == "off" else "bf16 autocast"
+    for mode, f in modes.items():
         rows.append(
             (
-                name,
+                names.get(mode, mode),
                 f"{f['median_step_s']:.3f}",
                 str(f["trained_tokens_per_step"]),
                 f"{f['trained_tokens_per_s']:.0f}",
             )
         )
-    lines = table(rows, right={1, 2, 3})
+    return table(rows, right={1, 2, 3})
+
+
+def render(result: dict[str, Any]) -> str:
+    lines = mode_table(result["modes"], {"off": "float32", "bfloat16": "bf16 autocast"})
     gap = result["logprob_gap"]
     lines.append(f"bf16 / float32 speed: {result['bf16_vs_float32']}")
     lines.append(f"logprob gap on trained tokens: mean {gap['mean']}, max {gap['max']}")
@@ -147,12 +177,17 @@ def render(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv: list[str]) -> Config:
-    parser = harness.parser("trainer_precision", __doc__)
+def parse_args(
+    argv: list[str], name: str = "trainer_precision", doc: str | None = __doc__, prompt_tokens: int = 48
+) -> Config:
+    """The options of a benchmark of one demo-shaped step (this one's, or another's ``name``)."""
+    parser = harness.parser(name, doc or "")
     parser.add_argument("--base-model", default="smollm2", help="embedded name or local directory")
     parser.add_argument("--groups", type=int, default=2)
     parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--prompt-tokens", type=int, default=48)
+    parser.add_argument(
+        "--prompt-tokens", type=int, default=prompt_tokens, help="words of each group's prompt"
+    )
     parser.add_argument("--completion-tokens", type=int, default=24)
     parser.add_argument("--steps", type=int, default=4, help="measured steps per mode")
     parser.add_argument("--warmup", type=int, default=1, help="steps per mode not counted")

@@ -311,6 +311,23 @@ def test_trainer_precision_benchmark_on_the_tiny_model(tmp_path):
     assert result["auto_picks"] == ("bfloat16" if cpu_has_bf16() else "off")
 
 
+def test_trainer_shared_prompt_benchmark_on_the_tiny_model(tmp_path):
+    from loadtests import trainer_shared_prompt
+
+    output = tmp_path / "trainer_shared_prompt.json"
+    args = ["--base-model", "artery/tiny-random", "--prompt-tokens", "12", "--completion-tokens", "6"]
+    args += ["--groups", "1", "--group-size", "4", "--steps", "1", "--warmup", "0", "--threads", "1"]
+    trainer_shared_prompt.main([*args, "--output", str(output)])
+    result = json.loads(output.read_text())
+    whole, shared = result["modes"]["whole"], result["modes"]["shared"]
+    assert whole["trained_tokens_per_step"] == shared["trained_tokens_per_step"] == 4 * 6
+    assert whole["median_step_s"] > 0 and shared["median_step_s"] > 0 and result["shared_vs_whole"] > 0
+    # One group in the micro-batch: its whole prompt, chat template and all, is shared.
+    micro = result["micro_batch"]
+    assert micro["rows"] == 4 and 12 < micro["shared_prefix"] < micro["length"]
+    assert result["logprob_gap_max"] < 1e-4  # the same logprobs: float rounding only
+
+
 def test_the_loop_benchmark_trains_a_real_model_at_the_demos_rate():
     """At the tiny model's 1e-2, SmolLM2 collapses to one answer within a few steps and the
     asynchronous mode stops (every group's rewards equal); a real model gets the demo's rate."""

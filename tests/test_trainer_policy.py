@@ -275,6 +275,74 @@ def test_next_token_logprobs_equal_those_of_the_full_logits(model_path):
     assert max(float(g.abs().max()) for g in full_grads) > 1e-3
 
 
+class PassRecorder:
+    """The policy's model, recording the shape of the ``input_ids`` of each pass it is given."""
+
+    def __init__(self, model) -> None:
+        self.model, self.passes = model, []
+
+    def __call__(self, **inputs):
+        self.passes.append(tuple(inputs["input_ids"].shape))
+        return self.model(**inputs)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+def test_a_prompt_every_row_shares_is_passed_once(model_path):
+    """The rows' common prompt goes through the model once and the rows continue from its cache:
+    the same logprobs and adapter gradient as the rows passed whole."""
+    policy = make_policy(model_path)
+    policy.train_step(scored_groups(policy), TrainConfig(learning_rate=1e-2), max_seq_len=MAX_SEQ_LEN)
+    batch = padded_batch(policy)
+    rows, length = batch["input_ids"].shape
+    mask = batch["assistant_mask"]  # [B,T-1]
+    weights = torch.randn(mask.shape, generator=torch.Generator().manual_seed(1)) * mask  # [B,T-1]
+    params = [p for _, p in policy.named_trainable]
+
+    shared_model = PassRecorder(policy.model)
+    shared = next_token_logprobs(shared_model, batch, 0.8)  # [B,T-1]
+    shared_grads = torch.autograd.grad((shared * weights).sum(), params)
+    whole_model = PassRecorder(policy.model)
+    whole = next_token_logprobs_of_whole_rows(whole_model, batch, 0.8)  # [B,T-1]
+    whole_grads = torch.autograd.grad((whole * weights).sum(), params)
+
+    prefix = logprobs_module.shared_prefix_length(batch)
+    assert prefix >= logprobs_module.MIN_SHARED_PREFIX  # the chat template's prompt, up to the answers
+    assert shared_model.passes == [(1, prefix), (rows, length - prefix)]
+    assert whole_model.passes == [(rows, length)]
+    torch.testing.assert_close(shared * mask, whole * mask, rtol=0, atol=1e-5)
+    for shared_grad, whole_grad in zip(shared_grads, whole_grads, strict=True):
+        torch.testing.assert_close(shared_grad, whole_grad, rtol=1e-4, atol=1e-6)
+    assert max(float(g.abs().max()) for g in whole_grads) > 1e-3
+
+
+def next_token_logprobs_of_whole_rows(model, batch, temperature):
+    original = logprobs_module.MIN_SHARED_PREFIX
+    logprobs_module.MIN_SHARED_PREFIX = 1 << 30  # no prefix is long enough: every row passed whole
+    try:
+        return next_token_logprobs(model, batch, temperature)
+    finally:
+        logprobs_module.MIN_SHARED_PREFIX = original
+
+
+def test_the_shared_prefix_stops_where_rows_differ_pad_or_train():
+    def batch(rows: list[list[int]], trained_from: int) -> dict[str, torch.Tensor]:
+        length = max(len(r) for r in rows)
+        ids = torch.tensor([r + [0] * (length - len(r)) for r in rows])  # [B,T]
+        attention = torch.tensor([[1] * len(r) + [0] * (length - len(r)) for r in rows])  # [B,T]
+        trained = torch.zeros(len(rows), length - 1)  # [B,T-1]
+        trained[:, trained_from:] = 1
+        return {"input_ids": ids, "attention_mask": attention, "assistant_mask": trained}
+
+    shared_prefix_length = logprobs_module.shared_prefix_length
+    assert shared_prefix_length(batch([[5, 6, 7, 8, 9], [5, 6, 7, 1, 2]], trained_from=3)) == 3
+    assert shared_prefix_length(batch([[5, 6, 7, 8, 9], [5, 6, 7, 8, 9]], trained_from=2)) == 2
+    assert shared_prefix_length(batch([[5, 6, 7], [5, 6, 7, 8, 9]], trained_from=3)) == 3  # padding differs
+    assert shared_prefix_length(batch([[1, 6, 7], [5, 6, 7]], trained_from=1)) == 0
+    assert shared_prefix_length(batch([[5, 6, 7, 8, 9]], trained_from=3)) == 0  # one row: nothing to share
+
+
 # --------------------------------------------------------------------------- micro-batching
 
 

@@ -1,8 +1,16 @@
-"""Log-probabilities of the trained tokens, without the full-vocabulary copies autograd would keep.
+"""Log-probabilities of the trained tokens, without the full-vocabulary copies autograd would keep,
+and without passing a prompt the rows share once per row.
 
 The largest tensors of a step are the logits ([B,T,V]: 49,152 columns for SmolLM2); these functions
 make logits only from the first trained position on and take their log-softmax a few positions
 at a time, in forward and in backward.
+
+The rollouts of a group answer the same prompt, and a micro-batch holds a group (or a few): its
+rows begin with the same tokens, often most of each row (the demo's prompt is 77 tokens, its
+answers at most 20). Those positions go through the model once, and the rows continue from that
+one KV cache; the gradient through the cache sums what every row sends back to the prompt, so the
+logprobs and gradients are those of the rows passed whole. (With LoRA dropout, the shared
+positions draw one dropout mask for all the rows instead of one each.)
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 #: Logits per chunk of ``TokenLogprobs`` (16 MiB of float32): small next to the logits themselves.
 LOGPROB_CHUNK_ELEMENTS = 1 << 22
@@ -72,20 +81,69 @@ def first_trained_position(assistant_mask: Tensor) -> int:
     return int(trained[0, 0]) if len(trained) else 0
 
 
+#: What transformers calls the KV cache, in a model's outputs and arguments: ``cache`` since 5.x
+#: (``past_key_values``, still accepted, logs a deprecation), ``past_key_values`` before.
+CACHE = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+#: A shared prefix shorter than this is passed with each row: its own pass would cost more than it saves.
+MIN_SHARED_PREFIX = 8
+
+
+def shared_prefix_length(batch: dict[str, Tensor]) -> int:
+    """How many leading positions every row of a batch of two or more has in common (the same
+    tokens, none of them padding), up to the first trained position; 0 for a single row."""
+    input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]  # [B,T] x2
+    if input_ids.size(0) < 2:
+        return 0
+    same = (input_ids == input_ids[:1]).all(dim=0) & attention_mask.bool().all(dim=0)  # [T]
+    differs = (~same).nonzero()  # [n,1]
+    common = int(differs[0, 0]) if len(differs) else input_ids.size(1)
+    # Logits are kept from the first trained position on: those positions must be in the rows' pass.
+    return min(common, first_trained_position(batch["assistant_mask"]))
+
+
+def logits_after_shared_prefix(model: Any, batch: dict[str, Tensor], prefix: int, kept: int) -> Tensor | None:
+    """The logits of the last ``kept`` positions [B,kept,V], the first ``prefix`` positions (the
+    same in every row) passed once and their KV cache repeated for the rows. None when the model
+    returns no cache that can be repeated (then the caller passes the rows whole)."""
+    input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]  # [B,T] x2
+    cache = model(
+        input_ids=input_ids[:1, :prefix],  # [1,prefix]
+        attention_mask=attention_mask[:1, :prefix],  # [1,prefix]
+        use_cache=True,
+        logits_to_keep=1,  # none are used; 0 would mean all of them
+    ).get(CACHE)
+    if cache is None or not hasattr(cache, "batch_repeat_interleave"):
+        return None
+    cache.batch_repeat_interleave(input_ids.size(0))  # [1,...] -> [B,...]; backward sums the rows
+    return model(
+        input_ids=input_ids[:, prefix:],  # [B,T-prefix]
+        attention_mask=attention_mask,  # [B,T]: the cached positions and the rows'
+        use_cache=True,
+        logits_to_keep=kept,  # kept <= T - prefix: the prefix ends at or before the first trained position
+        **{CACHE: cache},
+    ).logits
+
+
 def next_token_logprobs(model: Any, batch: dict[str, Tensor], temperature: float) -> Tensor:
     """log p(input_ids[:, t+1]) from the model's logits at t, for a padded batch: [B,T-1].
 
     Logits are made only from the first trained position on (``logits_to_keep``): a prompt's
     positions are never trained, and logits ([B,T,V], over the whole vocabulary) are the largest
     tensors of a step. The positions before it get 0, which every loss masks out (``assistant_mask``
-    is 0 there).
+    is 0 there). The positions every row shares (a group's prompt) go through the model once.
     """
     input_ids = batch["input_ids"]  # [B,T]
     start = first_trained_position(batch["assistant_mask"])
     kept = input_ids.size(1) - start  # positions start .. T-1
-    logits = model(
-        input_ids=input_ids, attention_mask=batch["attention_mask"], logits_to_keep=kept
-    ).logits  # [B,kept,V]
+    logits = None
+    prefix = shared_prefix_length(batch)
+    if prefix >= MIN_SHARED_PREFIX and not getattr(model, "is_gradient_checkpointing", False):
+        logits = logits_after_shared_prefix(model, batch, prefix, kept)  # [B,kept,V] or None
+    if logits is None:
+        logits = model(
+            input_ids=input_ids, attention_mask=batch["attention_mask"], logits_to_keep=kept
+        ).logits  # [B,kept,V]
     if logits.size(1) != kept:  # a model that ignores logits_to_keep returns every position
         logits = logits[:, -kept:]  # [B,kept,V]
     # The last position predicts past the end: it gets a placeholder target and its logprob is
