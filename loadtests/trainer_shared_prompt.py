@@ -4,16 +4,18 @@ with every row passed whole, same run.
 What runs, in this process, on the CPU: the demo-shaped step of ``trainer_precision`` (one
 ``Policy`` of ``--base-model``, ``groups`` x ``group_size`` synthetic trajectories, each group
 answering one prompt of ``--prompt-tokens`` words with ``--completion-tokens`` sampled tokens,
-truncated importance sampling on) in the trainer's default passes (``autocast_mode="auto"``). The
-two ways of passing a micro-batch alternate, after ``--warmup`` steps of each:
+truncated importance sampling on), in the trainer's default passes (``autocast_mode="auto"``: bf16
+autocast on a CPU with bf16 instructions) and in float32. The two ways of passing a micro-batch
+alternate in both, after ``--warmup`` steps of each:
 
 - ``whole``: every row through the model from its first token;
 - ``shared``: the positions all rows share go through the model once, and the rows continue from
   its KV cache (``services/trainer/logprobs.py``; the trainer's default).
 
-Reported: each mode's median step time and trained tokens/s, ``shared_vs_whole`` (whole's median
-over shared's: above 1, sharing is faster), the shared prefix of the first micro-batch, and the
-largest difference between the two modes' logprobs of the trained tokens (float rounding only).
+Reported: each mode's median step time and trained tokens/s; ``shared_vs_whole``, whole's median
+over shared's in the default passes (above 1, sharing is faster), and ``shared_vs_whole_float32``;
+the shared prefix of the first micro-batch; and the largest difference between the two ways'
+logprobs of the trained tokens (float rounding only).
 
 Results: ``loadtests/results/trainer_shared_prompt.json``.
 """
@@ -34,11 +36,16 @@ from loadtests.trainer_precision import (
     alternate,
     demo_shaped_step,
     max_seq_len_of,
+    mode_figures,
     mode_table,
     parse_args,
 )
 
-MODES = ("whole", "shared")
+#: Each way of passing the rows, in the trainer's default passes (``auto``: bf16 autocast on a CPU
+#: with bf16 instructions) and in float32 (the default elsewhere).
+MODES = ("whole", "shared", "whole float32", "shared float32")
+NAMES = {"whole": "rows whole", "shared": "prompt shared"}
+NAMES |= {f"{mode} float32": f"{name}, float32" for mode, name in NAMES.items()}
 #: The demo's prompt is 77 tokens (chat template, instruction, one worked example); 16 synthetic
 #: words and SmolLM2's chat template make about as many.
 DEMO_PROMPT_WORDS = 16
@@ -51,7 +58,7 @@ def passing(mode: str) -> Iterator[None]:
     from artery.services.trainer import logprobs
 
     shortest = logprobs.MIN_SHARED_PREFIX
-    if mode == "whole":
+    if mode.startswith("whole"):
         logprobs.MIN_SHARED_PREFIX = 1 << 62
     try:
         yield
@@ -86,6 +93,7 @@ def run(config: Config) -> dict[str, Any]:
 
     from artery.schemas import TrainConfig
     from artery.services.trainer.logprobs import shared_prefix_length
+    from artery.services.trainer.precision import autocast_dtype
 
     load_before = load_average()
     policy, groups = demo_shaped_step(config)
@@ -93,23 +101,20 @@ def run(config: Config) -> dict[str, Any]:
     max_seq_len = max_seq_len_of(config)
 
     def step(mode: str) -> Any:
+        precision = "off" if mode.endswith("float32") else "auto"
         with passing(mode):
-            return policy.train_step(groups, train_config, max_seq_len=max_seq_len)
+            return policy.train_step(groups, train_config, max_seq_len=max_seq_len, autocast_mode=precision)
 
     medians, trained = alternate(config, MODES, step)
     batch = first_micro_batch(policy, groups, train_config, max_seq_len)
     return {
         "benchmark": "trainer_shared_prompt",
         "config": {k: str(v) for k, v in asdict(config).items()},
-        "modes": {
-            mode: {
-                "median_step_s": round(medians[mode], 4),
-                "trained_tokens_per_step": trained,
-                "trained_tokens_per_s": round(trained / medians[mode], 1),
-            }
-            for mode in MODES
-        },
+        "modes": mode_figures(medians, trained),
         "shared_vs_whole": round(medians["whole"] / medians["shared"], 3),
+        "shared_vs_whole_float32": round(medians["whole float32"] / medians["shared float32"], 3),
+        "default_passes_autocast": autocast_dtype("auto", policy.device, policy.weights_dtype, corrected=True)
+        is not None,
         "micro_batch": {
             "rows": int(batch["input_ids"].size(0)),
             "length": int(batch["input_ids"].size(1)),
@@ -121,9 +126,11 @@ def run(config: Config) -> dict[str, Any]:
 
 
 def render(result: dict[str, Any]) -> str:
-    lines = mode_table(result["modes"], {"whole": "rows whole", "shared": "prompt shared"})
+    lines = mode_table(result["modes"], NAMES)
     micro = result["micro_batch"]
-    lines.append(f"shared / whole speed: {result['shared_vs_whole']}")
+    default = "bf16 autocast" if result["default_passes_autocast"] else "float32"
+    lines.append(f"shared / whole speed: {result['shared_vs_whole']} (default passes: {default})")
+    lines.append(f"shared / whole speed in float32: {result['shared_vs_whole_float32']}")
     shape = f"{micro['rows']} rows of {micro['length']} positions"
     lines.append(f"first micro-batch: {shape}, the first {micro['shared_prefix']} shared")
     lines.append(f"largest logprob difference on trained tokens: {result['logprob_gap_max']}")

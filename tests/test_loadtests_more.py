@@ -319,9 +319,10 @@ def test_trainer_shared_prompt_benchmark_on_the_tiny_model(tmp_path):
     args += ["--groups", "1", "--group-size", "4", "--steps", "1", "--warmup", "0", "--threads", "1"]
     trainer_shared_prompt.main([*args, "--output", str(output)])
     result = json.loads(output.read_text())
-    whole, shared = result["modes"]["whole"], result["modes"]["shared"]
-    assert whole["trained_tokens_per_step"] == shared["trained_tokens_per_step"] == 4 * 6
-    assert whole["median_step_s"] > 0 and shared["median_step_s"] > 0 and result["shared_vs_whole"] > 0
+    assert set(result["modes"]) == {"whole", "shared", "whole float32", "shared float32"}
+    for figures in result["modes"].values():
+        assert figures["trained_tokens_per_step"] == 4 * 6 and figures["median_step_s"] > 0
+    assert result["shared_vs_whole"] > 0 and result["shared_vs_whole_float32"] > 0
     # One group in the micro-batch: its whole prompt, chat template and all, is shared.
     micro = result["micro_batch"]
     assert micro["rows"] == 4 and 12 < micro["shared_prefix"] < micro["length"]
