@@ -27,7 +27,7 @@ from artery.ops.stack_engine import (
     replica_engine,
 )
 from artery.schemas import TrainConfig
-from artery.services.inference.engine import vllm_cpu_lora
+from artery.services.inference.engine import vllm_cpu_lora, vllm_cpu_worker
 from artery.shared.cpu import cpu_has_bf16
 from artery.shared.models import TINY
 from artery.shared.tiny_model import tiny_model_path
@@ -274,3 +274,35 @@ def test_grouped_lora_kernels_compute_what_vllms_per_token_kernels_do(indices, s
     vllm_cpu_lora.bgmv_expand_slice(shrunk, b, sliced, index, 10, 24, add_inputs=False)
     torch.testing.assert_close(sliced[:, 10:34], per_token_reference(shrunk, b, index, torch.float32))
     assert not sliced[:, :10].any() and not sliced[:, 34:].any()
+
+
+# --------------------------------------------------------------------------- vLLM-CPU's idle worker
+
+
+class FakeSpinCondition:
+    """The part of vLLM's ``SpinCondition`` the patch touches: a reader polls for ``busy_loop_s``."""
+
+    def __init__(self, is_reader: bool) -> None:
+        self.is_reader, self.busy_loop_s, self.waits = is_reader, 1.0 if is_reader else 0.0, []
+
+    def wait(self, timeout_ms=None) -> None:
+        self.waits.append((self.busy_loop_s, timeout_ms))
+
+
+def test_an_idle_worker_polls_for_milliseconds_not_a_second():
+    built_before = FakeSpinCondition(is_reader=True)  # the worker's queue exists before the import
+    writer = FakeSpinCondition(is_reader=False)
+    assert vllm_cpu_worker.shorten_idle_spin(FakeSpinCondition, 0.02)
+    assert vllm_cpu_worker.shorten_idle_spin(
+        FakeSpinCondition, 0.5
+    )  # installed once: no wrapper on the wrapper
+    built_before.wait(timeout_ms=7)
+    writer.wait()
+    FakeSpinCondition(is_reader=True).wait()
+    assert built_before.waits == [(0.02, 7)] and built_before.busy_loop_s == 0.02
+    assert writer.waits == [(0.0, None)]  # a writer never polls: left alone
+
+    class Other:  # another vLLM, without ``wait``: nothing to patch, and it says so
+        pass
+
+    assert not vllm_cpu_worker.shorten_idle_spin(Other)

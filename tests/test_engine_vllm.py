@@ -13,6 +13,8 @@ interpreter). The same requests go to both:
 - a trainer-saved LoRA adapter, published to the Object Store, is hot-loaded by both and served
   as ``<model>@<step>`` with equal greedy output; a deleted step is unloaded, and one deleted
   while a request streams with it is unloaded once that request has finished (the engine lives);
+- vLLM's worker stops polling its queue within milliseconds of its last batch, leaving the CPU
+  to the trainer that pauses it;
 - the contract tests: pause (requests wait) and resume, lease expiry, streaming, ``n``, stop
   strings, the OpenAI error shapes, ``/v1/models``;
 - the default serving path: a ``LocalBackend`` given no engine serves SmolLM2 on vLLM-CPU in
@@ -481,6 +483,26 @@ async def test_a_step_deleted_while_it_streams_finishes_and_the_engine_lives_on(
     assert after["choices"][0]["token_ids"]
 
 
+async def test_an_idle_vllm_worker_leaves_the_cpu_to_the_trainer(replicas):
+    """vLLM's worker polls its queue for a second after its last read (``SpinCondition``), which
+    took a core from every training step's start; ``vllm_cpu_worker`` parks it within 20 ms."""
+    psutil = pytest.importorskip("psutil")  # a dependency of vLLM, in .venv-vllm
+    replica = psutil.Process(replicas["stack"].processes["inference-vllm"].popen().pid)
+    workers = [p for p in replica.children(recursive=True) if p.name().startswith("VLLM::Worker")]
+    assert workers, "no vLLM worker process under the replica"
+
+    def cpu_s() -> float:
+        return sum(sum(w.cpu_times()[:2]) for w in workers)  # user + system
+
+    await chat(replicas["urls"]["vllm"], messages=[{"role": "user", "content": "Say hi."}])
+    await asyncio.sleep(0.2)  # past the short spin, within vLLM's own second of it
+    before = cpu_s()
+    await asyncio.sleep(0.6)
+    used = cpu_s() - before
+    # Polling, the worker would use most of a core in that time (it yields, so less under load).
+    assert used < 0.15, f"the idle vLLM worker used {used:.2f} s of CPU in 0.6 s"
+
+
 async def _wait(predicate, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while not await predicate():
@@ -503,7 +525,7 @@ async def test_local_backend_serves_smollm2_on_the_cpus_default_engine_and_hot_l
             assert replica.python == str(VLLM_VENV / "bin" / "python")
             log = replica.log_path.read_text()
             assert "dtype=torch.bfloat16" in log
-            assert "GroupedLoraOnCpu" in log  # vLLM imported the kernels' module in its worker
+            assert "CpuWorkerExtension" in log  # vLLM imported the kernels' module in its worker
         else:  # bf16 matmuls take a slow path on this CPU: the transformers engine serves
             assert (choice.engine, choice.dtype, choice.tis_cap) == ("transformers", None, None)
             assert "no bf16 instructions" in choice.reason

@@ -270,7 +270,7 @@ def test_the_lora_baseline_is_vllm_alone_without_arterys_extension():
     engine_args = {
         "enable_lora": True,
         "dtype": "bfloat16",
-        "worker_extension_cls": "artery.services.inference.engine.vllm_cpu_lora.GroupedLoraOnCpu",
+        "worker_extension_cls": "artery.services.inference.engine.vllm_cpu_worker.CpuWorkerExtension",
     }
     assert stock_vllm_args(engine_args) == {"enable_lora": True, "dtype": "bfloat16"}
 

@@ -8,15 +8,10 @@ adapter (attention, MLP and ``lm_head``) that way made SmolLM2 ~4.6x slower than
 adapter (the newest step), so the functions here multiply the rows of each adapter in use by its
 weights once: the same sums, in the same dtype, one GEMM per adapter.
 
-Installed in vLLM's worker process, where the kernels run: ``VLLMEngine`` names
-``GroupedLoraOnCpu`` as vLLM's ``worker_extension_cls``; vLLM imports this module there, and the
-import replaces the kernels (vLLM offers no other hook into a spawned worker without a plugin
-package). Elsewhere (no vLLM imported) importing it changes nothing.
+Installed in vLLM's worker process, where the kernels run, by ``vllm_cpu_worker`` (``install``).
 """
 
 from __future__ import annotations
-
-import sys
 
 import torch
 from torch import Tensor
@@ -102,12 +97,3 @@ def install() -> None:
     for name, kernel in KERNELS.items():
         setattr(lora_ops, name, kernel)
         setattr(punica_cpu, name, kernel)
-
-
-class GroupedLoraOnCpu:
-    """vLLM ``worker_extension_cls``: adds nothing to the worker; importing its module (which vLLM
-    does in the worker process) installs the kernels above."""
-
-
-if "vllm" in sys.modules:  # imported by vLLM's worker: see the module docstring
-    install()

