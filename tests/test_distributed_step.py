@@ -25,8 +25,14 @@ from artery.shared.tiny_model import tiny_model_path
 
 MAX_SEQ_LEN = 256
 PROMPT = [{"role": "user", "content": "Say something."}]
-#: Sums taken in another order (per shard, then over processes) differ in the last bits.
+#: Sums taken in another order (per shard, then over processes) differ in the last bits; so does
+#: a prompt that the rows of a micro-batch share (passed once, ``logprobs``), since the shards'
+#: micro-batches pair other rows.
 ATOL = 1e-5
+#: Adam's first update is about ``lr * g / |g|``: a weight whose gradient is near zero turns those
+#: last bits into a visible difference (3.4e-5 at lr 1e-2, seen once). The moments, which hold
+#: the gradients themselves, are compared at ``ATOL``.
+WEIGHT_ATOL = 1e-4
 #: The NCCL path needs one GPU per process.
 CUDA_PAIR = os.environ.get("ARTERY_TEST_CUDA") == "1" and torch.cuda.device_count() >= 2
 
@@ -129,7 +135,7 @@ def assert_same_step(single, parallel, one_metrics: dict, two_metrics: dict, *, 
     # LoRA B starts at zero: the step moved it, so the equality below is not that of two no-ops.
     assert max(float(one[k].abs().max()) for k in one if "lora_B" in k) > 1e-4
     for name in one:
-        torch.testing.assert_close(two[name], one[name], atol=atol, rtol=0)
+        torch.testing.assert_close(two[name], one[name], atol=max(atol, WEIGHT_ATOL), rtol=0)
     moments_one = load_file(single / "optimizer.safetensors")
     moments_two = load_file(parallel / "optimizer.safetensors")
     assert moments_one.keys() == moments_two.keys()
