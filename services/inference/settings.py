@@ -63,6 +63,13 @@ class InferenceSettings(msgspec.Struct, kw_only=True, frozen=True):
             le=1,
         ),
     ] = 0.85
+    enforce_eager: Annotated[
+        bool,
+        doc(
+            "vllm engine: no torch.compile (nor CUDA graphs): starts faster, serves slower; on the CPU"
+            " LoRA serving is compiled otherwise (the first start of a model compiles it, then it is cached)"
+        ),
+    ] = False
     default_max_tokens: Annotated[int, doc("completion length when a request sets none", ge=1)] = 1024
     max_pause_wait_s: Annotated[float, doc("how long a request waits while paused before a 503", gt=0)] = (
         600.0

