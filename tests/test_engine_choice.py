@@ -340,6 +340,24 @@ def test_compiled_lora_serves_each_batch_its_own_adapters(batches, lora_linear):
             torch.testing.assert_close(run(FakePunicaWrapper(indices), x, a, b, (12, 12)), want)
 
 
+def test_the_logits_lora_leaves_rows_without_an_adapter_alone():
+    """``lm_head``'s LoRA, per sequence: a base-model row in a batch with adapter rows gets nothing,
+    even with every slot taken (vLLM's CPU kernels read -1 as the last slot's adapter)."""
+    generator = torch.Generator().manual_seed(3)
+    a = torch.randn(4, 1, 8, 16, generator=generator)
+    b = torch.randn(4, 1, 40, 8, generator=generator)  # the vocabulary: 40 (logits padded to 42)
+    x = torch.randn(3, 16, generator=generator)
+    wrapper = FakePunicaWrapper([])
+    wrapper.sampler_indices = torch.tensor([3, -1, 0])
+    logits = torch.zeros(3, 42)
+    vllm_cpu_compiled_lora.add_lora_logits(wrapper, logits, x, a, b, 0.5)
+    want = adapter_reference(
+        0.5 * adapter_reference(x, a, wrapper.sampler_indices), b, wrapper.sampler_indices
+    )
+    torch.testing.assert_close(logits[:, :40], want, rtol=1e-4, atol=1e-4)
+    assert not logits[1].any() and not logits[:, 40:].any()
+
+
 def test_compiled_lora_embedding_and_overwrite():
     generator = torch.Generator().manual_seed(2)
     b = torch.randn(3, 1, 10, 4, generator=generator)

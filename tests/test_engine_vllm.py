@@ -445,6 +445,33 @@ async def test_a_trainer_adapter_is_hot_loaded_and_matches_the_transformers_engi
     assert gone.status_code == 404
 
 
+async def test_a_base_model_request_gets_no_adapter_with_every_lora_slot_taken(replicas, nc, tmp_path):
+    """vLLM-CPU marks a row without an adapter with slot index -1, which its kernels read as the
+    last of the ``max_loras`` slots (torch indexing). With four adapters resident, a base-model
+    request (another tenant's, on a shared replica) decoded with the fourth one's. Artery's LoRA
+    ops give such rows nothing."""
+    js = nc.jetstream()
+    url = replicas["urls"]["vllm"]
+    base = await chat(url, **PROMPTS["user"], model=f"{MODEL}@0")
+    data = await asyncio.to_thread(trainer_adapter, tmp_path / "checkpoint")
+    steps = (11, 12, 13, 14)  # as many as the replica's LoRA slots (VLLMEngine's max_loras)
+    names = []
+    try:
+        for step in steps:  # one by one: a replica loads the newest step, skipping older ones waiting
+            names.append(await publish_adapter(js, step, data))
+            await _wait(lambda step=step: served_everywhere(js, f"{MODEL}@{step}"), timeout=120)
+        adapted = await asyncio.gather(*(chat(url, **PROMPTS["user"], model=f"{MODEL}@{s}") for s in steps))
+        assert all(a["choices"][0]["token_ids"] != base["choices"][0]["token_ids"] for a in adapted)
+        again = await chat(url, **PROMPTS["user"], model=f"{MODEL}@0")  # every slot now holds one
+        assert again["choices"][0]["token_ids"] == base["choices"][0]["token_ids"]
+    finally:
+        published = steps[: len(names)]
+        for step, object_name in zip(published, names, strict=True):
+            await delete_adapter(js, step, object_name)
+        for step in published:
+            await _wait(lambda step=step: served_everywhere(js, f"{MODEL}@{step}", present=False), timeout=60)
+
+
 async def test_a_step_deleted_while_it_streams_finishes_and_the_engine_lives_on(replicas, nc, tmp_path):
     """Retention deletes a step while a request is generating with it (asynchronous training does
     this every step: the rollouts one step behind are still running). vLLM reloads an adapter from

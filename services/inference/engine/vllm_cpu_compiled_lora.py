@@ -17,9 +17,10 @@ per-token adapter index of every row (prefill and decode alike: one path, no fla
 batch's own row count, a traced size. Rows with no adapter (index -1) get nothing added, which is
 what "no adapter" means (vLLM's eager CPU kernels read index -1 as the last adapter slot).
 
-The logits' LoRA (``lm_head``) runs outside the compiled forward and keeps vLLM's wrapper method
-with the grouped kernels. ``VLLMEngine`` turns compilation back on (``compile_with_lora``) and the
-worker extension installs this module in the process that runs the model.
+The logits' LoRA (``lm_head``) runs outside the compiled forward; it goes through the same op with
+the wrapper's per-sequence indices, so there too a row without an adapter gets no other row's.
+``VLLMEngine`` turns compilation back on (``compile_with_lora``) and the worker extension
+installs this module in the process that runs the model.
 """
 
 from __future__ import annotations
@@ -110,60 +111,30 @@ def _slot(weights: Tensor, slot: int) -> Tensor:
 
 
 def _define_ops() -> None:
-    """Register the two ops once per process (a second import finds them registered)."""
-    if hasattr(torch.ops, NAMESPACE) and hasattr(getattr(torch.ops, NAMESPACE), "lora_shrink"):
+    """Register the three ops once per process (a second import finds them registered)."""
+    if hasattr(torch.ops, NAMESPACE) and hasattr(getattr(torch.ops, NAMESPACE), "lora_linear"):
         return
-    shrink = torch.library.custom_op(f"{NAMESPACE}::lora_shrink", mutates_args=("out",))(_lora_shrink)
-    expand = torch.library.custom_op(f"{NAMESPACE}::lora_expand", mutates_args=("out",))(_lora_expand)
-    linear = torch.library.custom_op(f"{NAMESPACE}::lora_linear", mutates_args=("out",))(_lora_linear)
+    for name, kernel in (
+        ("lora_shrink", _lora_shrink),
+        ("lora_expand", _lora_expand),
+        ("lora_linear", _lora_linear),
+    ):
+        op = torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=("out",))(kernel)
+        op.register_fake(_writes_into_out_only)
 
-    # Under tracing they only write into ``out``, which the compiler already knows the shape of.
-    @shrink.register_fake
-    def _(out: Tensor, x: Tensor, weights: Tensor, indices: Tensor, scale: float) -> None:
-        return None
 
-    @expand.register_fake
-    def _(
-        out: Tensor, x: Tensor, weights: Tensor, indices: Tensor, offset: int, size: int, add_inputs: bool
-    ) -> None:
-        return None
-
-    @linear.register_fake
-    def _(
-        out: Tensor,
-        x: Tensor,
-        lora_a: list[Tensor],
-        lora_b: list[Tensor],
-        indices: Tensor,
-        scale: float,
-        slices: list[int],
-    ) -> None:
-        return None
+def _writes_into_out_only(*_: Any) -> None:
+    """The ops under tracing: they only write into ``out``, whose shape the compiler knows."""
+    return None
 
 
 _define_ops()
 
 
-def lora_shrink(out: Tensor, x: Tensor, weights: Tensor, indices: Tensor, scale: float) -> None:
-    torch.ops.artery.lora_shrink(out, x, weights, indices, scale)
-
-
-def lora_expand(
-    out: Tensor, x: Tensor, weights: Tensor, indices: Tensor, offset: int, size: int, add_inputs: bool
-) -> None:
-    torch.ops.artery.lora_expand(out, x, weights, indices, offset, size, add_inputs)
-
-
-def lora_linear(
-    out: Tensor,
-    x: Tensor,
-    lora_a: list[Tensor],
-    lora_b: list[Tensor],
-    indices: Tensor,
-    scale: float,
-    slices: list[int],
-) -> None:
-    torch.ops.artery.lora_linear(out, x, lora_a, lora_b, indices, scale, slices)
+#: The ops, as the wrapper methods below (traced by the compiler) call them.
+lora_shrink = torch.ops.artery.lora_shrink
+lora_expand = torch.ops.artery.lora_expand
+lora_linear = torch.ops.artery.lora_linear
 
 
 # --- PunicaWrapperCPU's methods inside the compiled forward -------------------------------------
@@ -225,11 +196,27 @@ def add_lora_embedding(
     lora_expand(y, x, lora_b_stacked, indices, 0, y.shape[1], add_inputs)
 
 
+def add_lora_logits(
+    wrapper: Any,
+    y: Tensor,
+    x: Tensor,
+    lora_a_stacked: Tensor,
+    lora_b_stacked: Tensor,
+    scale: float,
+    **_: Any,
+) -> None:
+    flat = y.view(-1, y.shape[-1])
+    x = x.view(-1, x.shape[-1])
+    indices = wrapper.sampler_indices  # one per sequence: eager code, its own slice is right
+    lora_linear(flat, x, [lora_a_stacked], [lora_b_stacked], indices, scale, [flat.shape[1]])
+
+
 METHODS = {
     "add_lora_linear": add_lora_linear,
     "add_shrink": add_shrink,
     "add_expand": add_expand,
     "add_lora_embedding": add_lora_embedding,
+    "add_lora_logits": add_lora_logits,
 }
 
 
