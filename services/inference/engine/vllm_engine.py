@@ -17,10 +17,11 @@ avx512_bf16 CPU; the trainer, in float32, corrects for the gap with truncated im
 sampling, see ``services.trainer.losses``); ``dtype="float32"`` gives the trainer's own numbers
 (greedy output and logprobs equal to the transformers engine's, as ``make test-vllm`` checks). The
 KV cache gets ``VLLM_CPU_KVCACHE_SPACE`` GiB (2 unless set). vLLM's CPU LoRA kernels are replaced
-by ``vllm_cpu_lora``'s (one matmul per adapter in the batch, not a gathered copy of the weights per
-token), and its idle worker parks within milliseconds instead of polling a core for a second
-(``vllm_cpu_worker``, installed through vLLM's ``worker_extension_cls``). Sleep mode is a GPU
-feature: on the CPU ``sleep`` frees nothing and says so (False), as the transformers engine does.
+by ``vllm_cpu_compiled_lora``'s (one matmul per adapter in the batch, not a gathered copy of the
+weights per token, in ops torch.compile keeps opaque), and its idle worker parks within
+milliseconds instead of polling a core for a second (``vllm_cpu_worker``, installed through
+vLLM's ``worker_extension_cls``). Sleep mode is a GPU feature: on the CPU ``sleep`` frees nothing
+and says so (False), as the transformers engine does.
 
 Speed on the CPU (SmolLM2-135M, 32 concurrent, 2 cores; docs/results/2026-11-28-default-engine.md):
 with LoRA enabled vLLM runs eagerly (no torch.compile) and computes every LoRA-wrapped layer
@@ -62,7 +63,7 @@ log = get_logger(__name__)
 CPU_KVCACHE_GIB = "2"
 #: The CPU's serving dtype when none is given (``ARTERY_INFERENCE_DTYPE``).
 CPU_DTYPE = "bfloat16"
-#: Imported by vLLM in its worker process: installs the grouped LoRA kernels and a short idle spin.
+#: Imported by vLLM in its worker process: installs the compilable LoRA ops and a short idle spin.
 CPU_WORKER_EXTENSION = "artery.services.inference.engine.vllm_cpu_worker.CpuWorkerExtension"
 
 
@@ -112,7 +113,7 @@ class VLLMEngine:
 
     def engine_args(self) -> dict[str, Any]:
         """``AsyncEngineArgs`` for this machine: on the CPU bf16 (unless a dtype is given), the
-        grouped LoRA kernels, whole-prompt prefill and no sleep mode (and ``start`` compiles the
+        compilable LoRA ops, whole-prompt prefill and no sleep mode (and ``start`` compiles the
         model with LoRA unless ``enforce_eager`` is given)."""
         s = self._settings
         cpu = _on_cpu()
