@@ -59,6 +59,14 @@ def child_env() -> dict[str, str]:
     return {PARENT_ENV: str(os.getpid())}
 
 
+def tie_spawned_children() -> None:
+    """Tie the children a library spawns from now on (with this process's environment) to this
+    process rather than to the program: a service's own helper processes (vLLM's engine core and
+    worker) should live no longer than the service, even when the service alone is killed. This
+    process's own watch (``watch_parent``) keeps the program it was started by."""
+    os.environ[PARENT_ENV] = str(os.getpid())
+
+
 class Watched:
     """A process to wait for: by pidfd where there is one, else by its pid.
 

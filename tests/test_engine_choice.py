@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import signal
+import subprocess
 import sys
 
 import pytest
@@ -28,6 +30,7 @@ from artery.ops.stack_engine import (
 )
 from artery.schemas import TrainConfig
 from artery.services.inference.engine import vllm_cpu_compiled_lora, vllm_cpu_worker
+from artery.shared import lifeline
 from artery.shared.cpu import cpu_has_bf16
 from artery.shared.models import TINY
 from artery.shared.tiny_model import tiny_model_path
@@ -426,3 +429,68 @@ def test_a_compiled_model_saved_by_vllm_cpu_loads_at_the_next_start():
     gpu = compiler.load_compiled_function(GpuCompiled())
     assert gpu._artifacts.compiled_fn.finalize_loading(None) == "its own"
     assert not vllm_cpu_worker.load_compiled_as_saved(FakeTorchCompiler())  # nothing to wrap
+
+
+# ------------------------------------------------------------- vLLM's processes end with their replica
+#
+# A replica killed outright cannot stop vLLM's engine core, which waits on a socket for requests;
+# vllm_cpu_worker watches the replica from vLLM's worker (multiprocessing spawns both). Here a
+# script stands in: the replica, the engine core it spawned (separate executor) or not (in-process
+# executor: the worker is the engine core), and a worker that runs end_with_the_replica.
+
+PROCESSES = """
+import multiprocessing, os, sys, time
+
+from artery.services.inference.engine.vllm_cpu_worker import end_with_the_replica
+from artery.shared import lifeline
+
+
+def worker(pids):
+    pids.put(("worker", os.getpid(), end_with_the_replica(grace_s=5.0) is not None))
+    time.sleep(600)
+
+
+def engine_core(pids):
+    spawn = multiprocessing.get_context("spawn")
+    child = spawn.Process(target=worker, args=(pids,))
+    child.start()
+    pids.put(("engine_core", os.getpid(), True))
+    time.sleep(600)  # SIGTERM's default action ends it, as vLLM's handler ends the engine core
+
+
+if __name__ == "__main__":
+    lifeline.tie_spawned_children()  # as VLLMEngine.start does
+    spawn = multiprocessing.get_context("spawn")
+    pids = spawn.Queue()
+    target = worker if sys.argv[1] == "in-process" else engine_core
+    spawn.Process(target=target, args=(pids,)).start()
+    for _ in range(1 if target is worker else 2):
+        print(*pids.get(timeout=120), flush=True)
+    time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("executor", ["separate", "in-process"])
+def test_vllms_processes_end_when_their_replica_is_killed(tmp_path, executor):
+    script = tmp_path / "replica.py"
+    script.write_text(PROCESSES)
+    replica = subprocess.Popen([sys.executable, str(script), executor], stdout=subprocess.PIPE, text=True)
+    watched = {}
+    try:
+        for _ in range(2 if executor == "separate" else 1):
+            name, pid, watching = replica.stdout.readline().split()
+            watched[name] = lifeline.Watched(int(pid))
+            assert watching == "True", f"the {name} does not watch the replica"
+        replica.kill()  # SIGKILL: nothing in the replica runs
+        replica.wait()
+        for name, process in watched.items():
+            assert lifeline.first_gone([process], timeout=30) is process, f"the {name} outlived its replica"
+    finally:
+        replica.kill()
+        for process in watched.values():
+            process.send(signal.SIGKILL)
+
+
+def test_no_replica_named_no_watch():
+    """Outside a spawned process (the replica imports the module too) nothing is watched."""
+    assert vllm_cpu_worker.end_with_the_replica() is None

