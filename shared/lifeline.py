@@ -155,11 +155,18 @@ def _say(message: str) -> None:
 
 
 def watch_parent(
-    notify: Callable[[str], None] = _say, grace_s: float = SERVICE_GRACE_S
+    notify: Callable[[str], None] = _say,
+    grace_s: float = SERVICE_GRACE_S,
+    *,
+    stop: Watched | None = None,
 ) -> threading.Thread | None:
     """In a service: once the program that started it is gone, stop as on SIGTERM (the service's
     own clean stop), and exit at once if that takes longer than ``grace_s``. Nothing when the
-    service was not started by a stack (compose, systemd: their supervisor owns its life)."""
+    service was not started by a stack (compose, systemd: their supervisor owns its life).
+
+    ``stop``: stop that process instead (a library's process this one runs under, such as vLLM's
+    engine core above its worker): SIGTERM, SIGKILL if it is not gone within ``grace_s``; then
+    this process exits."""
     try:
         parent = program()
     except ProcessLookupError:
@@ -174,10 +181,16 @@ def watch_parent(
     def watch() -> None:
         if parent is not None and not gone_already:
             first_gone([parent])
-        notify(f"the program that started this process (pid {pid}) is gone: stopping")
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(grace_s)
-        notify(f"not stopped within {grace_s}s of its program's end: exiting now")
+        if stop is None:
+            notify(f"the program that started this process (pid {pid}) is gone: stopping")
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(grace_s)
+            notify(f"not stopped within {grace_s}s of its program's end: exiting now")
+        else:
+            notify(f"the program that started this process (pid {pid}) is gone: stopping pid {stop.pid}")
+            stop.send(signal.SIGTERM)
+            if first_gone([stop], timeout=grace_s) is None:
+                stop.send(signal.SIGKILL)
         os._exit(1)
 
     thread = threading.Thread(target=watch, name="artery-lifeline", daemon=True)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import signal
 import sys
 import threading
 from typing import Any
@@ -98,35 +97,18 @@ def end_with_the_replica(grace_s: float = lifeline.SERVICE_GRACE_S) -> threading
     process. Only in a process multiprocessing spawned (the replica imports this module too);
     None when nothing names a replica."""
     spawner = multiprocessing.parent_process()  # its pid as at the spawn, whoever adopted us since
-    if spawner is None or spawner.pid is None:
+    if spawner is None or spawner.pid is None or lifeline.PARENT_ENV not in os.environ:
         return None
+    if spawner.pid == int(os.environ[lifeline.PARENT_ENV]):
+        # vLLM's in-process executor: the replica spawned this process, the engine core itself
+        return lifeline.watch_parent(grace_s=grace_s)
+    if os.getppid() != spawner.pid:
+        return None  # the engine core ended already, and vLLM ends this worker
     try:
-        replica = lifeline.program()
-    except ProcessLookupError:  # gone while vLLM was starting: stop at once
-        replica = None
-    else:
-        if replica is None:
-            return None
-    # With vLLM's in-process executor the replica spawned this process: it is the engine core. A
-    # replica gone already leaves no way to tell: then this process stops itself, and signals no
-    # pid it cannot vouch for.
-    core_pid = os.getpid() if replica is None or spawner.pid == replica.pid else spawner.pid
-    try:
-        engine_core = lifeline.Watched(core_pid)
-    except ProcessLookupError:  # the engine core ended already, and vLLM ends this worker
+        engine_core = lifeline.Watched(spawner.pid)  # our parent still: the pidfd names it
+    except ProcessLookupError:
         return None
-
-    def watch() -> None:
-        if replica is not None:
-            lifeline.first_gone([replica])
-        engine_core.send(signal.SIGTERM)
-        if lifeline.first_gone([engine_core], timeout=grace_s) is None:
-            engine_core.send(signal.SIGKILL)
-        os._exit(1)
-
-    thread = threading.Thread(target=watch, name="artery-replica-lifeline", daemon=True)
-    thread.start()
-    return thread
+    return lifeline.watch_parent(grace_s=grace_s, stop=engine_core)
 
 
 def install() -> None:
