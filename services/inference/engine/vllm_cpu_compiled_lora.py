@@ -119,23 +119,26 @@ def _slot(weights: Tensor, slot: int) -> Tensor:
     return weights[slot, 0] if weights.dim() == 4 else weights[slot]
 
 
-#: The ops' schemas. Defined through ``torch.library.Library``, not ``torch.library.custom_op``:
-#: the latter's Python wrapper (autograd and schema checks at every call) cost 40-90 us a call,
-#: three times the dispatcher's own cost, and a step makes four calls per decoder layer.
-SCHEMAS = {
-    "lora_shrink": (
-        "lora_shrink(Tensor(a!) out, Tensor x, Tensor weights, Tensor indices, float scale) -> ()"
+#: The ops, each a schema and its kernel. Defined through ``torch.library.Library``, not
+#: ``torch.library.custom_op``: the latter's Python wrapper (autograd and schema checks at every
+#: call) cost 40-90 us a call, three times the dispatcher's own cost, and a step makes four calls
+#: per decoder layer.
+OPS = (
+    (
+        "lora_shrink(Tensor(a!) out, Tensor x, Tensor weights, Tensor indices, float scale) -> ()",
+        _lora_shrink,
     ),
-    "lora_expand": (
+    (
         "lora_expand(Tensor(a!) out, Tensor x, Tensor weights, Tensor indices, SymInt offset, SymInt size,"
-        " bool add_inputs) -> ()"
+        " bool add_inputs) -> ()",
+        _lora_expand,
     ),
-    "lora_linear": (
+    (
         "lora_linear(Tensor(a!) out, Tensor x, Tensor[] lora_a, Tensor[] lora_b, Tensor indices, float scale,"
-        " SymInt[] slices) -> ()"
+        " SymInt[] slices) -> ()",
+        _lora_linear,
     ),
-}
-KERNELS = {"lora_shrink": _lora_shrink, "lora_expand": _lora_expand, "lora_linear": _lora_linear}
+)
 _library: torch.library.Library | None = None
 
 
@@ -145,9 +148,10 @@ def _define_ops() -> None:
     if hasattr(torch.ops, NAMESPACE) and hasattr(getattr(torch.ops, NAMESPACE), "lora_linear"):
         return
     _library = torch.library.Library(NAMESPACE, "FRAGMENT")  # kept: the ops live as long as it does
-    for name, schema in SCHEMAS.items():
+    for schema, kernel in OPS:
+        name = schema.partition("(")[0]
         _library.define(schema)
-        _library.impl(name, KERNELS[name], "CompositeExplicitAutograd")
+        _library.impl(name, kernel, "CompositeExplicitAutograd")
         torch.library.register_fake(f"{NAMESPACE}::{name}", _writes_into_out_only, lib=_library)
 
 
