@@ -3,12 +3,20 @@
 Only safetensors adapters are accepted: a pickle (``adapter_model.bin``, ``*.pt``...) runs code
 when it is loaded, and adapters arrive from other machines. Everything here is synchronous and
 must run on the engine's model thread, never while a batch is decoding.
+
+A training loop loads step N+1 and then unloads step N, every step, always with the same LoRA
+config. PEFT builds an adapter's layers anew on every load (a few hundred module creations and
+initialisations: most of a load's time), so an unloaded adapter is kept as a spare while other
+adapters remain, and the next load whose ``adapter_config.json`` is the same, field for field,
+copies its weights into the spare's layers instead. The last adapter unloaded still takes every
+LoRA layer out, spares included: the base model alone serves as before.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +24,9 @@ from typing import Any
 from artery.services.inference.engine.base import EngineError, UnknownAdapter
 
 PICKLE_SUFFIXES = frozenset({".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt"})
+#: Unloaded adapters kept for reuse: two alternate in a training loop (step N+1 loads while step N
+#: is still served); a few more cover replicas serving several models of one config.
+MAX_SPARES = 4
 
 
 def check_adapter_dir(path: Path) -> None:
@@ -48,6 +59,9 @@ class LoraSet:
     def __init__(self, base_model: Any, warm_start: Path | None = None) -> None:
         self.model: Any = base_model
         self._internal: dict[str, str] = {}
+        # Each internal adapter's config as loaded, and the unloaded ones kept for reuse (oldest first).
+        self._configs: dict[str, dict[str, Any]] = {}
+        self._spares: list[str] = []
         self._ids = itertools.count()
         self._warm: str | None = None
         if warm_start is not None:
@@ -73,6 +87,11 @@ class LoraSet:
         check_adapter_dir(path)
         if name in self._internal:
             self.unload(name)
+        config = _read_config(path)
+        spare = self._spare_for(config)
+        if spare is not None and self._refill(spare, path):
+            self._internal[name] = spare
+            return
         internal = f"adapter_{next(self._ids)}"
         try:
             if isinstance(self.model, PeftModel):
@@ -88,14 +107,58 @@ class LoraSet:
             raise EngineError(f"cannot load adapter {name!r} from {path}: {exc}") from exc
         self.model.eval()
         self._internal[name] = internal
+        if config is not None:
+            self._configs[internal] = config
 
     def unload(self, name: str) -> None:
         internal = self._internal.pop(name, None)
         if internal is None:
             raise UnknownAdapter(name)
+        if self._internal and internal in self._configs:
+            self._spares.append(internal)  # other adapters keep the LoRA layers in: kept for reuse
+            while len(self._spares) > MAX_SPARES:
+                self._delete(self._spares.pop(0))
+            return
+        if not self._internal:  # the last one: the spares go with the LoRA layers
+            for spare in self._spares:
+                self._delete(spare)
+            self._spares.clear()
         self._delete(internal)
 
+    def _spare_for(self, config: dict[str, Any] | None) -> str | None:
+        """A spare whose config is this one (taken out of the spares), else None."""
+        if config is None:
+            return None
+        for spare in self._spares:
+            if self._configs.get(spare) == config:
+                self._spares.remove(spare)
+                return spare
+        return None
+
+    def _refill(self, internal: str, path: Path) -> bool:
+        """Copy the adapter at ``path`` into ``internal``'s layers; False (the spare deleted, for a
+        load of its own) when its weights do not fill exactly those layers."""
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        device = next(self.model.parameters()).device
+        try:
+            weights = load_file(path / "adapter_model.safetensors", device=str(device))
+            result = set_peft_model_state_dict(self.model, weights, adapter_name=internal)
+        except Exception:
+            result = None
+        missing = [
+            key
+            for key in getattr(result, "missing_keys", [])
+            if "lora_" in key and internal in key.split(".")
+        ]
+        if result is None or missing or list(getattr(result, "unexpected_keys", [])):
+            self._delete(internal)
+            return False
+        return True
+
     def _delete(self, internal: str) -> None:
+        self._configs.pop(internal, None)
         if len(self.model.peft_config) > 1:
             self.model.delete_adapter(internal)
         else:  # the last one: take the LoRA layers out and serve the plain base model again
@@ -121,3 +184,13 @@ class LoraSet:
             raise UnknownAdapter(name)
         self.model.set_adapter(internal, inference_mode=True)
         yield self.model
+
+
+def _read_config(path: Path) -> dict[str, Any] | None:
+    """The adapter's ``adapter_config.json`` as a dict (None when it is not one: PEFT's load then
+    says what is wrong with it)."""
+    try:
+        config = json.loads((path / "adapter_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None

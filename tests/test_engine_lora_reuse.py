@@ -1,0 +1,141 @@
+"""An unloaded adapter's layers serve the next load of the same config (``engine.lora``): each
+step of a training loop loads step N+1 and then unloads step N, and PEFT would build the layers
+anew every time. What a reused adapter serves must be exactly what a fresh load serves."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from artery.services.inference.engine.base import UnknownAdapter
+from artery.services.inference.engine.lora import LoraSet
+from artery.shared.tiny_model import tiny_model_path
+
+PROMPT = torch.tensor([[1, 5, 9, 14, 3, 7]])
+
+
+@pytest.fixture(scope="module")
+def model_path():
+    return tiny_model_path()
+
+
+def base(model_path):
+    return AutoModelForCausalLM.from_pretrained(model_path).eval()
+
+
+def save_adapter(model_path, dest, *, seed: int, rank: int = 4):
+    """A LoRA whose A and B are both random (a fresh one has B = 0, which would hide a weight that
+    was not copied)."""
+    from peft import LoraConfig, get_peft_model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = get_peft_model(
+            base(model_path), LoraConfig(r=rank, lora_alpha=8, target_modules=["q_proj", "v_proj", "lm_head"])
+        )
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_" in name:
+                    param.copy_(torch.randn(param.shape, generator=generator))
+        model.save_pretrained(dest, safe_serialization=True, save_embedding_layers=False)
+    return dest
+
+
+@pytest.fixture(scope="module")
+def adapters(model_path, tmp_path_factory):
+    """Three adapters of one config (a, b, c) and one of another rank (wide)."""
+    made = {name: tmp_path_factory.mktemp(name) for name in ("a", "b", "c", "wide")}
+    for seed, name in enumerate(("a", "b", "c")):
+        save_adapter(model_path, made[name], seed=seed)
+    save_adapter(model_path, made["wide"], seed=3, rank=8)
+    return made
+
+
+def logits(lora: LoraSet, name: str | None) -> torch.Tensor:
+    with torch.no_grad(), lora.active(name) as model:
+        return model(PROMPT).logits
+
+
+@pytest.fixture(scope="module")
+def fresh(model_path, adapters):
+    """Each adapter's logits, loaded alone into a model of its own."""
+    out = {}
+    for name, path in adapters.items():
+        lora = LoraSet(base(model_path))
+        lora.load(f"{name}@1", path)
+        out[name] = logits(lora, f"{name}@1")
+    lora = LoraSet(base(model_path))
+    out[None] = logits(lora, None)
+    return out
+
+
+def test_a_training_loops_steps_reuse_the_layers_of_the_step_before(model_path, adapters, fresh):
+    lora = LoraSet(base(model_path))
+    lora.load("m@1", adapters["a"])
+    for step, name in enumerate(("b", "c", "a", "b"), start=2):
+        adapters_before = set(lora.model.peft_config)
+        lora.load(f"m@{step}", adapters[name])
+        lora.unload(f"m@{step - 1}")
+        assert torch.equal(logits(lora, f"m@{step}"), fresh[name]), f"step {step} serves other weights"
+        assert lora.names() == [f"m@{step}"]
+        if step > 2:  # from the second swap on, step N+1 fills the layers step N-1 left
+            assert set(lora.model.peft_config) == adapters_before, "the layers were built anew"
+    with pytest.raises(UnknownAdapter):
+        logits(lora, "m@4")  # an unloaded name is gone, whatever its layers serve now
+
+
+def test_another_config_gets_layers_of_its_own(model_path, adapters, fresh):
+    lora = LoraSet(base(model_path))
+    lora.load("m@1", adapters["a"])
+    lora.load("m@2", adapters["b"])
+    lora.unload("m@1")  # a spare of rank 4
+    lora.load("wide@1", adapters["wide"])
+    assert torch.equal(logits(lora, "wide@1"), fresh["wide"])
+    assert torch.equal(logits(lora, "m@2"), fresh["b"])
+    lora.load("m@3", adapters["c"])  # the rank-4 spare, kept while the rank-8 load went past it
+    assert torch.equal(logits(lora, "m@3"), fresh["c"])
+    assert len(lora.model.peft_config) == 3
+
+
+def test_weights_that_do_not_fill_the_layers_load_as_peft_loads_them(model_path, adapters, tmp_path):
+    """Same config, one tensor missing: the spare is dropped and PEFT loads the adapter as it
+    would have without spares (here: that layer's B stays zero)."""
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    (partial / "adapter_config.json").write_bytes((adapters["c"] / "adapter_config.json").read_bytes())
+    weights = load_file(adapters["c"] / "adapter_model.safetensors")
+    dropped = next(key for key in sorted(weights) if "lora_B" in key)
+    save_file({k: v for k, v in weights.items() if k != dropped}, partial / "adapter_model.safetensors")
+    alone = LoraSet(base(model_path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        alone.load("p@1", partial)
+    expected = logits(alone, "p@1")
+
+    lora = LoraSet(base(model_path))
+    lora.load("m@1", adapters["a"])
+    lora.load("m@2", adapters["b"])
+    lora.unload("m@1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lora.load("p@1", partial)
+    assert torch.equal(logits(lora, "p@1"), expected)
+    assert set(lora.names()) == {"m@2", "p@1"}
+    assert len(lora.model.peft_config) == 2, "the spare that did not fit is still there"
+
+
+def test_the_last_unload_leaves_the_base_model_alone(model_path, adapters, fresh):
+    lora = LoraSet(base(model_path))
+    lora.load("m@1", adapters["a"])
+    lora.load("m@2", adapters["b"])
+    lora.unload("m@1")
+    lora.unload("m@2")
+    assert not hasattr(lora.model, "peft_config"), "LoRA layers left in the base model"
+    assert torch.equal(logits(lora, None), fresh[None])
+    lora.load("m@3", adapters["c"])
+    assert torch.equal(logits(lora, "m@3"), fresh["c"])
