@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 from artery.services.inference.engine.base import UnknownAdapter
 from artery.services.inference.engine.lora import LoraSet
 from artery.shared.tiny_model import tiny_model_path
+from tests.test_engine_transformers import save_random_adapter
 
 PROMPT = torch.tensor([[1, 5, 9, 14, 3, 7]])
 
@@ -27,32 +28,13 @@ def base(model_path):
     return AutoModelForCausalLM.from_pretrained(model_path).eval()
 
 
-def save_adapter(model_path, dest, *, seed: int, rank: int = 4):
-    """A LoRA whose A and B are both random (a fresh one has B = 0, which would hide a weight that
-    was not copied)."""
-    from peft import LoraConfig, get_peft_model
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = get_peft_model(
-            base(model_path), LoraConfig(r=rank, lora_alpha=8, target_modules=["q_proj", "v_proj", "lm_head"])
-        )
-        generator = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if "lora_" in name:
-                    param.copy_(torch.randn(param.shape, generator=generator))
-        model.save_pretrained(dest, safe_serialization=True, save_embedding_layers=False)
-    return dest
-
-
 @pytest.fixture(scope="module")
 def adapters(model_path, tmp_path_factory):
     """Three adapters of one config (a, b, c) and one of another rank (wide)."""
     made = {name: tmp_path_factory.mktemp(name) for name in ("a", "b", "c", "wide")}
     for seed, name in enumerate(("a", "b", "c")):
-        save_adapter(model_path, made[name], seed=seed)
-    save_adapter(model_path, made["wide"], seed=3, rank=8)
+        save_random_adapter(model_path, made[name], seed=seed)
+    save_random_adapter(model_path, made["wide"], seed=3, rank=8)
     return made
 
 

@@ -43,17 +43,18 @@ def adapter_dir(model_path, tmp_path_factory):
     return save_random_adapter(model_path, tmp_path_factory.mktemp("adapter"))
 
 
-def save_random_adapter(model_path, dest):
-    """A LoRA that includes lm_head (on this tiny tied model, attention alone barely moves logits)."""
+def save_random_adapter(model_path, dest, *, seed: int = 0, rank: int = 4):
+    """A LoRA that includes lm_head (on this tiny tied model, attention alone barely moves logits),
+    its B random (a fresh one's is zero) from ``seed``."""
     from peft import LoraConfig, get_peft_model
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = get_peft_model(
             AutoModelForCausalLM.from_pretrained(model_path),
-            LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "lm_head"]),
+            LoraConfig(r=rank, lora_alpha=8, target_modules=["q_proj", "v_proj", "lm_head"]),
         )
-        generator = torch.Generator().manual_seed(0)
+        generator = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if "lora_B" in name:
