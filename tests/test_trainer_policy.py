@@ -374,9 +374,11 @@ def test_micro_batches_give_the_same_update(model_path, loss_fn, kl):
     assert grads[0].keys() == grads[1].keys() and len(grads[0]) == len(policy.named_trainable)
     for name in grads[0]:
         torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-5, atol=1e-7)
-    # Adam divides by sqrt(v): weights whose gradient is ~0 amplify float noise, so the weights
-    # agree less tightly than the gradients, and less on a second step (the KL case) than a first.
-    assert max_difference(*weights) < (1e-4 if kl else 1e-5)
+    # Adam divides by sqrt(v): its first update is about lr * g / |g|, so a weight whose gradient
+    # is ~0 turns the gradients' float noise (checked at 1e-5 above) into up to lr of difference.
+    # How much depends on the CPU's matmul kernels: 1.1-1.4e-5 on an AVX2 machine where AVX-512
+    # gave under 1e-5. The weights are checked at 1% of the learning rate.
+    assert max_difference(*weights) < 1e-4
     if kl:
         assert one["kl_mean"] > 0 and one["kl_mean"] == pytest.approx(many["kl_mean"], rel=1e-5)
 
