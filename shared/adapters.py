@@ -26,7 +26,7 @@ from nats.js.errors import NotFoundError, ObjectNotFoundError
 from artery.shared import subjects
 from artery.shared.errors import ArteryError
 from artery.shared.logs import get_logger
-from artery.shared.object_store import ObjectCorrupt, ObjectGone, read_object, write_object
+from artery.shared.object_store import ObjectCorrupt, ObjectGone, Previous, read_object, write_object
 
 log = get_logger(__name__)
 
@@ -166,9 +166,16 @@ def unpack_adapter(data: bytes, dest: str | os.PathLike, expected_sha256: str) -
     return dest
 
 
-async def put_adapter(js: JetStreamContext, object_name: str, data: bytes):
-    """Store the packed adapter under ``object_name``; returns the store's ``ObjectInfo``."""
-    return await write_object(js, subjects.ADAPTERS_BUCKET, object_name, data)
+async def put_adapter(
+    js: JetStreamContext,
+    object_name: str,
+    data: bytes,
+    *,
+    previous: ObjectInfo | Previous | None = Previous.UNREAD,
+):
+    """Store the packed adapter under ``object_name``; returns the store's ``ObjectInfo``.
+    ``previous``: what the caller just read of ``object_name`` (``write_object``)."""
+    return await write_object(js, subjects.ADAPTERS_BUCKET, object_name, data, previous=previous)
 
 
 async def get_adapter(js: JetStreamContext, object_name: str) -> bytes:

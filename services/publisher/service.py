@@ -173,7 +173,7 @@ class Publisher(ConsumingService):
                 info = None
             if info is not None and info.size == len(data) and info.digest == nats_digest_of_hex(sha256):
                 return  # put before a crash: the same bytes are there
-            await put_adapter(self.js, name, data)
+            await put_adapter(self.js, name, data, previous=info)  # read once, here
         except Exception as exc:
             raise DependencyUnavailable(f"Object Store put of {name!r} failed: {exc!r}") from exc
 

@@ -12,9 +12,9 @@ with ``train.failed`` (not retriable). So does every error of the step itself (a
 be loaded, a request that cannot be trained): the same request meets it again on every delivery.
 
 Around every step: pause every inference replica of
-the model (a lease, renewed while training), train, save the adapter and the optimizer state,
-publish ``checkpoint.saved``, record the step, advance the model's step in the registry, resume
-inference, answer with ``train.completed``, then prune the model's older steps from the
+the model (a lease, renewed while training), train, resume inference while the adapter and the
+optimizer state are saved, publish ``checkpoint.saved``, record the step, advance the model's step
+in the registry, answer with ``train.completed``, then prune the model's older steps from the
 trainer-state store (what a step announces is in ``announce.py``). A
 redelivered request is answered from the record (or from the checkpoint it already produced) and
 never trains twice; a trainer that dies mid-step leaves inference paused no longer than the lease.
@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import math
 import tempfile
 import threading
@@ -471,17 +472,22 @@ class Trainer(ConsumingService):
                 new_step = step + 1
                 await self._confirm(held)  # a step of a model this worker lost is never saved
                 save_started = time.monotonic()
-                await asyncio.to_thread(
+                save = functools.partial(
                     checkpoints.save_step, self.settings, record, policy, new_step, request.id, result.metrics
                 )
-                metrics = {
-                    **result.metrics,
-                    **extra,
-                    "trained": float(result.trained),
-                    "pause_s": pause_s,
-                    "save_s": time.monotonic() - save_started,
-                    "replicas_paused": float(len(lease.outcome.acked)) if lease is not None else 0.0,
-                }
+                saving = asyncio.ensure_future(asyncio.to_thread(save))
+                replicas_paused = len(lease.outcome.acked) if lease is not None else 0
+            # Written while the replicas resume (the block's exit): they serve the step before
+            # this one until this one is announced, and writing files needs no accelerator.
+            await saving
+            metrics = {
+                **result.metrics,
+                **extra,
+                "trained": float(result.trained),
+                "pause_s": pause_s,
+                "save_s": time.monotonic() - save_started,
+                "replicas_paused": float(replicas_paused),
+            }
             self.policies.advance(record, new_step)
         await self._confirm(held)  # nor announced
         await announce.publish_checkpoint(self.js, self.settings, request, record, new_step, metrics)
