@@ -204,8 +204,8 @@ async def test_publisher_waits_out_postgres_and_stores_each_checkpoint_once(
     puts: dict[str, int] = {}
     real_put = publisher_service.put_adapter
 
-    async def put_then_maybe_lose_postgres(js_, name, data):
-        result = await real_put(js_, name, data)
+    async def put_then_maybe_lose_postgres(js_, name, data, **options):
+        result = await real_put(js_, name, data, **options)
         puts[name] = puts.get(name, 0) + 1
         if name == object_name(PROJECT, MODEL, 2) and outage.began is None:
             await asyncio.to_thread(outage.begin)
