@@ -40,7 +40,9 @@ Then the same amount of work runs asynchronously, through ART's ``PipelineTraine
 while the trainer trains, at most one step off policy), and ``modes`` compares the two: rollouts
 and steps per second, the share of wall time in which neither generation nor training computed,
 and ART's ``objective/score`` (tokens trained per second of wall time times the freshness
-discount of the rollouts they came from, ``artery.pipeline_trainer.step_meter``).
+discount of the rollouts they came from, ``artery.pipeline_trainer.step_meter``). The asynchronous
+mode also counts the groups it rolled out and did not train on (more than a step stale, or every
+reward equal: nothing to learn); ``PipelineTrainer`` rolls out new ones in their place.
 
 ``fallbacks_fired`` counts the event-driven waits of this process that ended on their safety-net
 timeout with the condition already true (``shared.wakeup``): a missed wake-up. ``goals`` holds the
@@ -206,6 +208,10 @@ async def async_mode(model: art.TrainableModel, backend: TimedBackend, config: C
         "steps_per_s": config.iterations / wall,
         "waiting_share": 1 - busy / wall,
         "objective_score": objective_score(backend, first_training, wall),
+        # Groups rolled out and not trained on (their rollouts count, their steps do not): where
+        # this mode's steps per second go when they fall behind the rollouts per second.
+        "discarded_stale_groups": trainer.discarded_stale,
+        "discarded_equal_groups": trainer.discarded_equal,
     }
 
 
@@ -560,6 +566,8 @@ def render(result: dict) -> str:
                 right={1, 2, 3, 4, 5},
             ),
             f"async / sync rollouts per second: {result['async_vs_sync_rollouts_per_s']:.2f}x",
+            "async groups not trained on: {discarded_stale_groups} stale, "
+            "{discarded_equal_groups} with equal rewards".format(**result["modes"]["async"]),
             f"fallbacks fired (missed wake-ups): {result['fallbacks_fired']}",
             "goals: met" if result["goal_met"] else "goals MISSED: " + "; ".join(result["goal_missed"]),
         ]

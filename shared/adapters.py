@@ -21,12 +21,11 @@ from urllib.parse import unquote, urlsplit
 
 from nats.js import JetStreamContext
 from nats.js.api import ObjectInfo
-from nats.js.errors import NotFoundError, ObjectNotFoundError
 
 from artery.shared import subjects
 from artery.shared.errors import ArteryError
 from artery.shared.logs import get_logger
-from artery.shared.object_store import ObjectCorrupt, ObjectGone, Previous, read_object, write_object
+from artery.shared.object_store import ObjectCorrupt, ObjectGone, object_info, put_object, read_object
 
 log = get_logger(__name__)
 
@@ -166,16 +165,11 @@ def unpack_adapter(data: bytes, dest: str | os.PathLike, expected_sha256: str) -
     return dest
 
 
-async def put_adapter(
-    js: JetStreamContext,
-    object_name: str,
-    data: bytes,
-    *,
-    previous: ObjectInfo | Previous | None = Previous.UNREAD,
-):
-    """Store the packed adapter under ``object_name``; returns the store's ``ObjectInfo``.
-    ``previous``: what the caller just read of ``object_name`` (``write_object``)."""
-    return await write_object(js, subjects.ADAPTERS_BUCKET, object_name, data, previous=previous)
+async def put_adapter(js: JetStreamContext, object_name: str, data: bytes, *, sha256: str | None = None):
+    """Store the packed adapter under ``object_name`` unless the same bytes are there already (a
+    publisher redelivered after a crash puts it again); returns the store's ``ObjectInfo``.
+    ``sha256``: the archive's hex digest when the caller has it."""
+    return await put_object(js, subjects.ADAPTERS_BUCKET, object_name, data, sha256=sha256)
 
 
 async def get_adapter(js: JetStreamContext, object_name: str) -> bytes:
@@ -192,11 +186,12 @@ async def get_adapter(js: JetStreamContext, object_name: str) -> bytes:
 
 
 async def adapter_info(js: JetStreamContext, object_name: str) -> ObjectInfo:
-    store = await js.object_store(subjects.ADAPTERS_BUCKET)
     try:
-        info = await store.get_info(object_name)  # a deleted object is not found too
-    except (ObjectNotFoundError, NotFoundError) as exc:
-        raise AdapterNotFound(f"adapter {object_name!r} is not in {subjects.ADAPTERS_BUCKET}") from exc
+        info = await object_info(js, subjects.ADAPTERS_BUCKET, object_name)
+    except ObjectCorrupt as exc:
+        raise AdapterError(str(exc)) from exc
+    if info is None:  # never stored, or deleted
+        raise AdapterNotFound(f"adapter {object_name!r} is not in {subjects.ADAPTERS_BUCKET}")
     if (info.size or 0) > MAX_ADAPTER_BYTES:
         raise AdapterError(f"adapter {object_name!r} is {info.size} bytes, over the limit")
     if info.is_link() or not info.nuid:

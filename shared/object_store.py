@@ -26,7 +26,7 @@ from datetime import UTC, datetime
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.api import Header, ObjectInfo, ObjectMetaOptions
-from nats.js.errors import NotFoundError, ObjectNotFoundError
+from nats.js.errors import NotFoundError
 from nats.js.kv import MSG_ROLLUP_SUBJECT
 from nats.js.object_store import (
     OBJ_CHUNKS_PRE_TEMPLATE,
@@ -71,6 +71,35 @@ def meta_subject(bucket: str, name: str) -> str:
     return OBJ_META_PRE_TEMPLATE.format(bucket=bucket, obj=base64.urlsafe_b64encode(name.encode()).decode())
 
 
+async def object_info(js: JetStreamContext, bucket: str, name: str) -> ObjectInfo | None:
+    """The metadata of ``name`` in ``bucket``, in one message get (nats-py's ``object_store()``
+    asks for the stream's info first, a round trip more on the path of every step); None when it
+    is not there (never stored, deleted, or no such bucket). ``ObjectCorrupt`` when the metadata
+    is not valid; NATS's own errors pass through."""
+    try:
+        msg = await js.get_last_msg(OBJ_STREAM_TEMPLATE.format(bucket=bucket), meta_subject(bucket, name))
+    except NotFoundError:
+        return None
+    try:
+        found = ObjectInfo.from_response(json.loads(msg.data or b""))
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ObjectCorrupt(f"metadata of {name!r} in {bucket} is not valid") from exc
+    return None if found.deleted else found
+
+
+async def put_object(
+    js: JetStreamContext, bucket: str, name: str, data: bytes, *, sha256: str | None = None
+) -> ObjectInfo:
+    """Store ``data`` as ``name`` unless the same bytes are there already (a redelivered event
+    stores its object again, harmlessly); returns what is stored. ``sha256``: the hex digest of
+    ``data`` when the caller has it (hashing a step's tens of MB costs ms each time)."""
+    digest = nats_digest_of_hex(sha256) if sha256 is not None else nats_digest(data)
+    found = await object_info(js, bucket, name)
+    if found is not None and found.size == len(data) and found.digest == digest:
+        return found
+    return await write_object(js, bucket, name, data, previous=found, digest=digest)
+
+
 class Previous(enum.Enum):
     """``write_object``'s ``previous`` when the caller has not read the object's metadata."""
 
@@ -84,6 +113,7 @@ async def write_object(
     data: bytes,
     *,
     previous: ObjectInfo | Previous | None = Previous.UNREAD,
+    digest: str | None = None,
 ) -> ObjectInfo:
     """Store ``data`` as ``name`` in object store ``bucket``, as nats-py's ``ObjectStore.put``
     lays it out (chunks on a new subject, then the metadata rolled up, then the previous
@@ -95,13 +125,10 @@ async def write_object(
     whose chunks are not all stored. A failure purges the chunks sent and raises.
 
     ``previous``: the object's metadata as the caller just read it (None: not there), whose chunks
-    the write purges; unread, it is read here (one round trip fewer when the caller has it)."""
+    the write purges; unread, it is read here (one round trip fewer when the caller has it).
+    ``digest``: ``nats_digest(data)`` when the caller has computed it."""
     if previous is Previous.UNREAD:
-        store = await js.object_store(bucket)  # the bucket must exist (and the caller may see it)
-        try:
-            previous = await store.get_info(name)
-        except (ObjectNotFoundError, NotFoundError):
-            previous = None
+        previous = await object_info(js, bucket, name)
     nuid = js._nc._nuid.next().decode()  # nats-py's own id source, as ``put`` uses
     stream = OBJ_STREAM_TEMPLATE.format(bucket=bucket)
     chunk_subject = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=bucket, obj=nuid)
@@ -112,7 +139,7 @@ async def write_object(
         nuid=nuid,
         size=len(data),
         chunks=len(starts),
-        digest=nats_digest(data),
+        digest=digest if digest is not None else nats_digest(data),
         options=ObjectMetaOptions(max_chunk_size=OBJ_DEFAULT_CHUNK_SIZE),
         mtime=datetime.now(UTC).isoformat(),
     )

@@ -21,13 +21,9 @@ raises ``InvalidMessage``; NATS not answering raises ``DependencyUnavailable``.
 
 from __future__ import annotations
 
-import hashlib
-import json
-
 from nats.js import JetStreamContext
 from nats.js.api import ObjectInfo
 from nats.js.errors import NotFoundError
-from nats.js.object_store import OBJ_STREAM_TEMPLATE
 
 from artery.shared import subjects
 from artery.shared.adapters import MAX_ADAPTER_BYTES
@@ -35,10 +31,10 @@ from artery.shared.errors import DependencyUnavailable, InvalidMessage
 from artery.shared.object_store import (
     ObjectCorrupt,
     ObjectGone,
-    meta_subject,
-    nats_digest,
+    nats_digest_of_hex,
+    object_info,
+    put_object,
     read_object,
-    write_object,
 )
 
 BUCKET = subjects.TRAINER_STATE_BUCKET
@@ -48,7 +44,6 @@ STATE = "state.tar"
 #: Largest step state accepted: the adapter, AdamW's two moments of it (float32) and a little more.
 MAX_STATE_BYTES = 4 * MAX_ADAPTER_BYTES
 LIMITS = {ADAPTER: MAX_ADAPTER_BYTES, STATE: MAX_STATE_BYTES}
-_STREAM = OBJ_STREAM_TEMPLATE.format(bucket=BUCKET)
 
 
 def object_name(project: str, model: str, step: int, kind: str) -> str:
@@ -89,29 +84,24 @@ def adapter_object(value: str, project: str, model: str, step: int) -> str:
 async def info(js: JetStreamContext, name: str) -> ObjectInfo | None:
     """The object's metadata; None when it is not there (never stored, or deleted)."""
     try:
-        msg = await js.get_last_msg(_STREAM, meta_subject(BUCKET, name))
-    except NotFoundError:
-        return None
+        return await object_info(js, BUCKET, name)
+    except ObjectCorrupt as exc:
+        raise InvalidMessage("not_found", f"{BUCKET}: metadata of {name!r} is not valid") from exc
     except Exception as exc:
         raise DependencyUnavailable(f"{BUCKET}: metadata of {name!r} unreadable: {exc!r}") from exc
-    try:
-        found = ObjectInfo.from_response(json.loads(msg.data or b""))
-    except (ValueError, TypeError, KeyError) as exc:
-        raise InvalidMessage("not_found", f"{BUCKET}: metadata of {name!r} is not valid") from exc
-    return None if found.deleted else found
 
 
-async def put(js: JetStreamContext, name: str, data: bytes) -> None:
+async def put(js: JetStreamContext, name: str, data: bytes, *, sha256: str | None = None) -> None:
     """Store ``data`` as ``name``; nothing is written when the same bytes are there already (a
-    redelivered request uploads its step again, harmlessly)."""
+    redelivered request uploads its step again, harmlessly). ``sha256``: the hex digest of
+    ``data`` when the caller has it."""
     limit = LIMITS[name.rsplit("/", 1)[-1]]
     if len(data) > limit:
         raise InvalidMessage("too_large", f"{name} is {len(data)} bytes, over {limit}")
-    found = await info(js, name)
-    if found is not None and found.size == len(data) and found.digest == nats_digest(data):
-        return
     try:
-        await write_object(js, BUCKET, name, data, previous=found)
+        await put_object(js, BUCKET, name, data, sha256=sha256)
+    except ObjectCorrupt as exc:
+        raise InvalidMessage("not_found", f"{BUCKET}: metadata of {name!r} is not valid") from exc
     except Exception as exc:
         raise DependencyUnavailable(f"{BUCKET}: put of {name!r} failed: {exc!r}") from exc
 
@@ -132,12 +122,13 @@ async def get(
         raise InvalidMessage("size_mismatch", f"{name} is {stored} bytes, announced {size}")
     if found.is_link() or not found.nuid:
         raise InvalidMessage("not_found", f"{name!r} is a link or has no chunks of its own")
-    data = await _read_chunks(js, found)
-    if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
+    # The bytes are checked against the stored digest as they are read; that digest being the
+    # announced one checks them against the announcement without hashing them twice.
+    if sha256 is not None and found.digest != nats_digest_of_hex(sha256):
         raise InvalidMessage(
-            "sha256_mismatch", f"{name}: sha256 is {hashlib.sha256(data).hexdigest()}, announced {sha256}"
+            "sha256_mismatch", f"{name}: sha256 is {found.digest} in the store, announced {sha256}"
         )
-    return data
+    return await _read_chunks(js, found)
 
 
 async def _read_chunks(js: JetStreamContext, found: ObjectInfo) -> bytes:

@@ -35,7 +35,7 @@ from artery.services.publisher.service import Publisher, object_name
 from artery.services.publisher.settings import PublisherSettings
 from artery.services.reward.service import RewardService
 from artery.services.reward.settings import RewardSettings
-from artery.shared import subjects
+from artery.shared import object_store, subjects
 from artery.shared.bus import publish_event
 from artery.shared.db import init_connection
 from artery.shared.embedded import PostgresServer
@@ -204,14 +204,20 @@ async def test_publisher_waits_out_postgres_and_stores_each_checkpoint_once(
     puts: dict[str, int] = {}
     real_put = publisher_service.put_adapter
 
+    real_write = object_store.write_object
+
     async def put_then_maybe_lose_postgres(js_, name, data, **options):
         result = await real_put(js_, name, data, **options)
-        puts[name] = puts.get(name, 0) + 1
         if name == object_name(PROJECT, MODEL, 2) and outage.began is None:
             await asyncio.to_thread(outage.begin)
         return result
 
+    async def counted_write(js_, bucket, name, data, **options):  # what is written, not asked for
+        puts[name] = puts.get(name, 0) + 1
+        return await real_write(js_, bucket, name, data, **options)
+
     monkeypatch.setattr(publisher_service, "put_adapter", put_then_maybe_lose_postgres)
+    monkeypatch.setattr(object_store, "write_object", counted_write)
     settings = PublisherSettings(
         fetch_timeout_s=0.05, backoff_max_s=2.0, keep_latest=10, max_deliveries=MAX_DELIVERIES
     )

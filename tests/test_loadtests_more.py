@@ -72,8 +72,13 @@ def test_loop_benchmark_quick(tmp_path, capsys):
     assert sum(mean[p] for p in loop.PARTS) == pytest.approx(mean["total"], rel=1e-3, abs=1e-3)
     assert sum(result["share"][p] for p in loop.PARTS) == pytest.approx(1.0, abs=1e-2)
 
+    async_mode = result["modes"]["async"]
+    discarded = (async_mode["discarded_stale_groups"], async_mode["discarded_equal_groups"])
+    assert all(isinstance(n, int) and n >= 0 for n in discarded)
+
     printed = capsys.readouterr().out
     assert "generation (rollouts)" in printed and "until served" in printed
+    assert f"not trained on: {discarded[0]} stale, {discarded[1]} with equal rewards" in printed
 
 
 def test_trainer_step_benchmark_quick(tmp_path):

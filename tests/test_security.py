@@ -219,8 +219,10 @@ async def test_agent_publishes_for_its_project_and_nothing_else(secured):
         agent.denied(pause, agent.nc.publish(pause, b"{}")),
         agent.denied(saved, bus.publish_event(agent.js, saved, saved_event())),
         agent.denied(published, agent.nc.publish(published, b"{}")),
-        # An object store put: refused at its first step (opening the bucket), and its chunks too.
-        agent.denied(f"$JS.API.STREAM.INFO.OBJ_{subjects.ADAPTERS_BUCKET}", put_adapter(agent.js, "x", b"x")),
+        # An object store put: refused at its first step (reading what is there), and its chunks too.
+        agent.denied(
+            f"$JS.API.STREAM.MSG.GET.OBJ_{subjects.ADAPTERS_BUCKET}", put_adapter(agent.js, "x", b"x")
+        ),
         agent.denied(chunk, agent.nc.publish(chunk, b"x")),
         # Reading what others publish, or the replies others get, is refused too.
         agent.denied("artery.traj.>", agent.nc.subscribe(stream.subjects[0]), what="Subscription"),

@@ -42,7 +42,6 @@ from artery.shared.consumer import ConsumerOptions, ConsumingService, DurableCon
 from artery.shared.db import ServicePool
 from artery.shared.errors import DependencyUnavailable, InvalidMessage
 from artery.shared.logs import get_logger
-from artery.shared.object_store import nats_digest_of_hex
 from artery.shared.served_name import served_name
 from artery.shared.subscriber import Delivery, Subscriber
 
@@ -166,14 +165,7 @@ class Publisher(ConsumingService):
 
     async def _put_object(self, name: str, data: bytes, sha256: str) -> None:
         try:
-            bucket = await self.js.object_store(subjects.ADAPTERS_BUCKET)
-            try:
-                info = await bucket.get_info(name)
-            except NotFoundError:
-                info = None
-            if info is not None and info.size == len(data) and info.digest == nats_digest_of_hex(sha256):
-                return  # put before a crash: the same bytes are there
-            await put_adapter(self.js, name, data, previous=info)  # read once, here
+            await put_adapter(self.js, name, data, sha256=sha256)  # same bytes there: nothing written
         except Exception as exc:
             raise DependencyUnavailable(f"Object Store put of {name!r} failed: {exc!r}") from exc
 

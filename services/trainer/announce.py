@@ -72,11 +72,12 @@ async def publish_checkpoint(
     project, model = request.project, request.model
     adapter, state = await asyncio.to_thread(_step_archives, settings, record, step)
     name = trainer_state.object_name(project, model, step, trainer_state.ADAPTER)
+    sha256 = sha256_hex(adapter)  # hashed once: for the store and for the announcement
     # Both stored before the announcement: a worker resuming this model after a crash finds the
     # state of every step announced (a step trained again would be announced under the same id).
     await asyncio.gather(
         trainer_state.put(js, trainer_state.object_name(project, model, step, trainer_state.STATE), state),
-        trainer_state.put(js, name, adapter),
+        trainer_state.put(js, name, adapter, sha256=sha256),
     )
     del state
     await publish_event(
@@ -88,7 +89,7 @@ async def publish_checkpoint(
             model=model,
             step=step,
             uri=trainer_state.uri(name),
-            sha256=sha256_hex(adapter),
+            sha256=sha256,
             size_bytes=len(adapter),
             base_model=record.base_model,
             metrics=finite(metrics),
