@@ -3,6 +3,8 @@ is bounded, measured and reported, inference is never paused, and a run resumes 
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import json
 
 import pytest
@@ -91,6 +93,60 @@ async def test_equal_reward_groups_in_a_row_stop_the_run_as_a_collapse(tmp_path)
     with pytest.raises(PolicyCollapsed, match="all-equal rewards"):
         await trainer.train()
     assert trainer.discarded_equal == 4
+
+
+async def test_workers_faster_than_training_start_no_rollout_that_would_go_stale(tmp_path):
+    """Eight workers whose rollouts take a millisecond feed steps that take 30: ART's gate alone
+    (the policy's age) lets them fill the queue two steps deep, and half the groups reach the
+    front too old to train on. Foreseeing the step that will take a group, none is wasted."""
+    batch, off_policy, steps = 2, 1, 6
+    ahead_seen: list[int] = []
+    trained: list[list[int]] = []
+
+    class Result:
+        def __init__(self, step: int):
+            self.step, self.metrics = step, {}
+
+    class SlowBackend:
+        async def train(self, model, groups, **kwargs):
+            trained.append([int(g.metadata["policy_version"]) for g in groups])
+            await asyncio.sleep(0.03)
+            return Result(len(trained))
+
+    class Model:
+        directory = tmp_path
+
+        async def get_step(self):
+            return 0
+
+        async def log(self, *args, **kwargs):
+            pass
+
+    async def fast(model, scenario, config):
+        ahead_seen.append(trainer._ahead)
+        await asyncio.sleep(0.001)
+        return art.TrajectoryGroup([art.Trajectory(reward=0.0), art.Trajectory(reward=1.0)])
+
+    trainer = PipelineTrainer(
+        Model(),
+        SlowBackend(),
+        fast,
+        itertools.count(),
+        None,
+        num_rollout_workers=8,
+        min_batch_size=batch,
+        max_batch_size=batch,
+        max_steps_off_policy=off_policy,
+        max_steps=steps,
+        log_interval_seconds=3600,
+    )
+    await trainer.train()
+    assert len(trained) == steps
+    assert trainer.discarded_stale == 0
+    for step, versions in enumerate(trained):
+        assert all(step - v <= off_policy for v in versions), (step, versions)
+    # Never more groups ahead than the batches that may still take them fresh, though 8 could run.
+    assert max(ahead_seen) == (off_policy + 1) * batch
 
 
 def test_arts_knobs_without_a_meaning_here_are_refused():

@@ -1,9 +1,13 @@
 """``PipelineTrainer``: ART's asynchronous loop — rollouts never wait for training to finish.
 
 Rollout workers take scenarios and produce groups into a queue while the training stage takes
-batches from it and trains. A worker starts a rollout only while the policy it would sample from
-is at most ``max_steps_off_policy`` steps behind the step being trained; groups that fell further
-behind while they waited in the queue are discarded and counted. Each training call is an
+batches from it and trains. A worker starts a rollout only while the group would be at most
+``max_steps_off_policy`` steps old when a batch takes it: the step that will take it is foreseen
+from the groups already ahead of it (queued or being rolled out), a batch of ``max_batch_size``
+per step. Without that foresight, workers faster than training fill the queue with groups that
+are too old by the time they reach the front (ART's gate looks at the policy alone). Groups that
+still fell behind (batches smaller than the largest, rollouts slower than foreseen) are discarded
+and counted. Each training call is an
 asynchronous step on the services: inference keeps serving while the trainer computes the next
 step (``Backend.train(max_steps_off_policy=...)``), which also drops stale trajectories and corrects
 the rest by truncated importance sampling. Groups whose rewards are all equal teach nothing: they
@@ -161,6 +165,8 @@ class PipelineTrainer(Generic[ScenarioT, ConfigT]):
         self.scenario_offset = 0
         self.discarded_stale = 0
         self.discarded_equal = 0
+        #: Groups started and not yet taken by a batch (queued, or still being rolled out).
+        self._ahead = 0
         self._done = False
 
     # ------------------------------------------------------------------ state
@@ -188,6 +194,7 @@ class PipelineTrainer(Generic[ScenarioT, ConfigT]):
         start = await self.model.get_step()
         state = self._read_state()
         self.policy_version = self.next_training_step = start
+        self._ahead = 0
         self._policy_updated = asyncio.Condition()
         self._queue = asyncio.Queue(maxsize=self.queue_maxsize)
         scenarios = _as_async(self.scenarios)
@@ -222,16 +229,29 @@ class PipelineTrainer(Generic[ScenarioT, ConfigT]):
             self.scenario_offset += 1
             return True, scenario
 
-    async def _wait_for_policy(self) -> None:
-        """Hold a new rollout while the policy it would use is too far behind the step in training."""
+    def foreseen_age(self) -> int:
+        """How many steps old a group started now would be when a batch takes it: the batch after
+        the one in training (or being collected) is step ``next_training_step``, and every full
+        batch of groups ahead of it takes a step more."""
+        return self.next_training_step + self._ahead // self.max_batch_size - self.policy_version
+
+    async def _start_rollout(self) -> None:
+        """Wait until a group started now would be fresh enough when taken, and count it ahead.
+        Never a deadlock: a worker waits only while a whole batch is ahead (queued, or rolled out
+        by another worker), which the training stage takes without it."""
         started = time.monotonic()
         async with self._policy_updated:
             await self._policy_updated.wait_for(
-                lambda: (
-                    self._done or self.policy_version >= self.next_training_step - self.max_steps_off_policy
-                )
+                lambda: self._done or self.foreseen_age() <= self.max_steps_off_policy
             )
+            self._ahead += 1
         self._meter.worker_blocked(time.monotonic() - started)
+
+    async def _no_longer_ahead(self) -> None:
+        """A group started is gone from ahead (taken by a batch, or never made): a worker may start."""
+        async with self._policy_updated:
+            self._ahead -= 1
+            self._policy_updated.notify_all()
 
     async def _rollout_worker(self, index: int) -> None:
         try:
@@ -242,9 +262,10 @@ class PipelineTrainer(Generic[ScenarioT, ConfigT]):
     async def _roll_out_until_retired(self, index: int) -> None:
         # Autotune lowers the count by retiring the highest-numbered workers between rollouts.
         while not self._done and index < self.num_rollout_workers:
-            await self._wait_for_policy()
+            await self._start_rollout()
             more, scenario = await self._next_scenario()
             if not more or self._done:
+                await self._no_longer_ahead()
                 return
             version = self.policy_version
             try:
@@ -252,6 +273,7 @@ class PipelineTrainer(Generic[ScenarioT, ConfigT]):
             except LocalServingUnavailableError:
                 raise
             except Exception as exc:  # one failed scenario is not the end of the run (as ART)...
+                await self._no_longer_ahead()
                 if self._is_local_serving_down(exc):  # ...unless every rollout will fail alike
                     raise LocalServingUnavailableError(
                         f"the LocalBackend's inference became unreachable ({exc!r}): the run stops"
@@ -299,6 +321,7 @@ class PipelineTrainer(Generic[ScenarioT, ConfigT]):
             if group is None:
                 ended = True
                 break
+            await self._no_longer_ahead()
             self._pbar.update(1)
             taken += 1
             if step - int(group.metadata.get("policy_version", step)) > self.max_steps_off_policy:
