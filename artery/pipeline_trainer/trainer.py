@@ -21,6 +21,9 @@ own in ART's taxonomy (``objective/score``, ``throughput/``, ``queue/``...; ``ar
 
 Resumable: the scenario offset and the step are kept in the model directory
 (``pipeline_state.json``), so ``train()`` after a restart skips the scenarios already used.
+
+Long module: one class, ART's ``PipelineTrainer``: its two stages (rollout workers and training)
+share the queue, the policy version and the gate, and read best side by side.
 """
 
 from __future__ import annotations
