@@ -219,6 +219,9 @@ async def run_collector(js, database_url):
     async def start(**overrides) -> Collector:
         settings = CollectorSettings(**{"fetch_timeout_s": 0.05, "backoff_max_s": 1.0, **overrides})
         collector = Collector(js, database_url, settings)
+        # As the service's runner: the durable consumer exists before the caller goes on (a test
+        # asking for its info at once found none while ``run`` was still creating it).
+        await collector.start()
         started.append((collector, asyncio.create_task(collector.run())))
         return collector
 
