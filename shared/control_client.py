@@ -29,6 +29,7 @@ from artery.shared.codec import EventDecoder, encode
 from artery.shared.errors import ArteryError, InvalidMessage
 from artery.shared.kv import latest_values
 from artery.shared.logs import get_logger
+from artery.shared.tasks import cancel_and_wait
 
 log = get_logger(__name__)
 
@@ -315,9 +316,7 @@ async def paused(
     try:
         yield lease
     finally:
-        renewer.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await renewer
+        await cancel_and_wait(renewer)
         try:
             await resume_replicas(
                 nc, project, model, lease.lease_id, requested_by=requested_by, timeout_s=min(timeout_s, 10.0)

@@ -29,6 +29,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from artery.shared.settings import doc, load
+from artery.shared.tasks import cancel_and_wait
 
 PREFIX = "ARTERY_HTTP_"
 
@@ -87,9 +88,7 @@ async def stop_http(server: uvicorn.Server, task: asyncio.Task, grace_s: float =
         await asyncio.wait_for(asyncio.shield(task), timeout=grace_s)
     except TimeoutError:
         server.force_exit = True
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await cancel_and_wait(task)
 
 
 class _Server(uvicorn.Server):

@@ -9,7 +9,6 @@ soon as it is asked to stop; ``/readyz`` on the metrics server and the NATS serv
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import sys
@@ -28,6 +27,7 @@ from artery.shared.logs import get_logger, setup_logging
 from artery.shared.metrics import start_metrics_server
 from artery.shared.permissions import provision_if_missing
 from artery.shared.settings import CommonSettings, load
+from artery.shared.tasks import cancel_and_wait
 from artery.shared.tracing import setup_tracing, shutdown_tracing
 
 log = get_logger(__name__)
@@ -95,9 +95,7 @@ async def _announce_when_ready(service: str, metrics_url: str | None) -> NatsRea
 
 async def _stop_announcing(announcing: asyncio.Task) -> None:
     if not announcing.done():
-        announcing.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await announcing
+        await cancel_and_wait(announcing)
         return
     readiness = announcing.result() if not announcing.cancelled() else None
     if readiness is not None:

@@ -1,10 +1,13 @@
-"""A replica that died but is still registered (its heartbeat not yet expired) cannot ack a
-pause: the trainer waits that out with back-off, never dead-letters the request, and trains once
-the registry forgets the dead replica."""
+"""The pause around a step going wrong. A replica that died but is still registered (its
+heartbeat not yet expired) cannot ack a pause: the trainer waits that out with back-off, never
+dead-letters the request, and trains once the registry forgets the dead replica. A trainer
+cancelled while the replicas resume ends only after the step's save has ended."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 
 import msgspec
 
@@ -62,4 +65,59 @@ async def test_a_dead_registered_replica_delays_training_without_dead_lettering(
     finally:
         trainer.stop()
         await asyncio.wait_for(task, 30)
+        await trainer.close()
+
+
+async def test_a_step_cancelled_while_replicas_resume_ends_after_its_save(
+    js, nc, db, database_url, tmp_path, monkeypatch
+):
+    """The save runs in a thread while the replicas resume. Cancelled there (the service
+    stopping), the step used to end at once and leave the save running unobserved beside whatever
+    came next; now it waits for the save to end, then the cancellation goes on."""
+    from artery.services.trainer import checkpoints
+
+    resuming = asyncio.Event()
+    may_save = threading.Event()
+    order: list[str] = []
+    real_save_step = checkpoints.save_step
+
+    def save_when_allowed(*args, **kwargs):
+        may_save.wait(60)
+        path = real_save_step(*args, **kwargs)
+        order.append("saved")
+        return path
+
+    @contextlib.asynccontextmanager
+    async def resume_that_hangs(self, request):
+        yield None
+        resuming.set()
+        await asyncio.Event().wait()  # the resume request never answered
+
+    monkeypatch.setattr(checkpoints, "save_step", save_when_allowed)
+    monkeypatch.setattr(Trainer, "_hold_inference", resume_that_hangs)
+    await register_trainable(js, PROJECT, MODEL, TINY)
+    groups = [text_group(seed) for seed in range(2)]
+    await write_groups(db, [StoredGroup.of(g, None) for g in groups])
+    trainer = Trainer(
+        nc, database_url, TrainerSettings(checkpoint_dir=str(tmp_path / "ckpt"), max_seq_len=128)
+    )
+    await trainer.start()
+    task = asyncio.create_task(trainer.run())
+    task.add_done_callback(lambda _: order.append("step ended"))
+    try:
+        request = TrainRequested(
+            id=new_event_id(), project=PROJECT, model=MODEL, group_ids=[g.id for g in groups]
+        )
+        await publish_event(js, subjects.train("requested", PROJECT, MODEL), request)
+        await asyncio.wait_for(resuming.wait(), 120)  # trained; the save waits for may_save
+        task.cancel()
+        may_save.set()  # the save takes a few ms; the cancellation alone would end the step sooner
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(task, 60)
+        assert order == ["saved", "step ended"]
+    finally:
+        may_save.set()
+        trainer.stop()
+        if not task.done():
+            await asyncio.wait_for(task, 30)
         await trainer.close()

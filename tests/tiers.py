@@ -36,6 +36,7 @@ TIER_OF_MODULE: dict[str, str] = {
     "test_gpu.py": "unit",  # in-process CUDA paths; skipped without ARTERY_TEST_CUDA and a GPU
     "test_gpu_vllm.py": "unit",  # the vLLM engine on CUDA; skipped without ARTERY_TEST_CUDA, a GPU and vllm
     "test_grpo_math.py": "unit",
+    "test_tasks.py": "unit",
     "test_inference_tools.py": "unit",
     "test_models.py": "unit",
     "test_off_policy.py": "unit",

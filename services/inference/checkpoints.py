@@ -82,6 +82,7 @@ from artery.shared.codec import EventDecoder
 from artery.shared.errors import DependencyUnavailable, InvalidMessage
 from artery.shared.logs import get_logger
 from artery.shared.served_name import served_name
+from artery.shared.tasks import cancel_and_wait
 from artery.shared.tracing import continue_trace, tracer
 
 log = get_logger(__name__)
@@ -223,9 +224,7 @@ class CheckpointWatcher:
                 await sub.unsubscribe()
         self._subs = []
         for task in self._tasks:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait(task)
         self._tasks = []
 
     # -- what arrives ------------------------------------------------------------------------

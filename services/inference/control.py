@@ -41,6 +41,7 @@ from artery.shared.codec import EventDecoder, encode
 from artery.shared.consumer import dead_letter_event
 from artery.shared.errors import InvalidMessage
 from artery.shared.logs import get_logger
+from artery.shared.tasks import cancel_and_wait
 
 log = get_logger(__name__)
 
@@ -293,9 +294,7 @@ class ReplicaRegistry:
     async def stop(self) -> None:
         self._stopping.set()
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
             self._task = None
         try:
             if self._kv is not None:

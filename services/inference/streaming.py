@@ -37,6 +37,7 @@ from artery.services.inference.openai_types import (
 from artery.services.inference.serving import AdmitHook, Resolved
 from artery.services.inference.tools import TOOL_CALL_START, parse_tool_calls
 from artery.shared.logs import get_logger
+from artery.shared.tasks import cancel_and_wait
 
 log = get_logger(__name__)
 _END = object()
@@ -79,9 +80,7 @@ class EngineStream:
 
     async def aclose(self) -> None:
         if self._task is not None and not self._task.done():
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
 
     async def _next(self) -> Any:
         item = await self._queue.get()

@@ -37,6 +37,7 @@ from nats.js.errors import APIError, KeyNotFoundError, KeyWrongLastSequenceError
 from artery.shared import subjects
 from artery.shared.bus import TRAINER_LEASE_TTL_S
 from artery.shared.logs import get_logger
+from artery.shared.tasks import cancel_and_wait
 
 log = get_logger(__name__)
 #: A hold is renewed three times per TTL: one renewal may fail (a NATS hiccup) without losing it.
@@ -98,9 +99,7 @@ class ModelLease:
                 raise LeaseLost(f"the lease of {self.key} was taken over") from None
 
     async def release(self) -> None:
-        self._renewer.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._renewer
+        await cancel_and_wait(self._renewer)
         _HELD.discard(self.key)
         if self.lost:
             return

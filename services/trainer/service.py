@@ -102,6 +102,7 @@ from artery.shared.errors import DependencyUnavailable, InvalidMessage
 from artery.shared.logs import get_logger
 from artery.shared.registry import read_record
 from artery.shared.subscriber import Attributes, Delivery, Subscriber
+from artery.shared.tasks import cancel_and_wait, settled
 from artery.shared.wakeup import Wakeup
 
 log = get_logger(__name__)
@@ -130,9 +131,7 @@ async def keep_alive(msg: Msg, ack_wait_s: float):
     try:
         yield
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await cancel_and_wait(task)
 
 
 class GroupsNotStored(Exception):
@@ -456,27 +455,42 @@ class Trainer(ConsumingService):
         else:
             # Tokenized and measured before inference is paused: a refusal never pauses it.
             prepared = await self._refusing(self._prepare(policy, step, request, record, groups))
-            async with self._hold_inference(request) as lease:
-                pause_s = time.monotonic() - started
-                result, extra = await self._refusing(
-                    self._step(
-                        policy,
-                        step,
-                        request,
-                        record,
-                        groups,
-                        should_stop=lambda: self.stopping.is_set() or lost(),
-                        prepared=prepared,
+            saving: asyncio.Future | None = None
+            try:
+                async with self._hold_inference(request) as lease:
+                    pause_s = time.monotonic() - started
+                    result, extra = await self._refusing(
+                        self._step(
+                            policy,
+                            step,
+                            request,
+                            record,
+                            groups,
+                            should_stop=lambda: self.stopping.is_set() or lost(),
+                            prepared=prepared,
+                        )
                     )
-                )
-                new_step = step + 1
-                await self._confirm(held)  # a step of a model this worker lost is never saved
-                save_started = time.monotonic()
-                save = functools.partial(
-                    checkpoints.save_step, self.settings, record, policy, new_step, request.id, result.metrics
-                )
-                saving = asyncio.ensure_future(asyncio.to_thread(save))
-                replicas_paused = len(lease.outcome.acked) if lease is not None else 0
+                    new_step = step + 1
+                    await self._confirm(held)  # a step of a model this worker lost is never saved
+                    save_started = time.monotonic()
+                    save = functools.partial(
+                        checkpoints.save_step,
+                        self.settings,
+                        record,
+                        policy,
+                        new_step,
+                        request.id,
+                        result.metrics,
+                    )
+                    saving = asyncio.ensure_future(asyncio.to_thread(save))
+                    replicas_paused = len(lease.outcome.acked) if lease is not None else 0
+            except BaseException:
+                # The block's exit failed or the step was cancelled while the replicas resumed: the
+                # save runs in a thread, which cannot be stopped, so it ends before the error goes
+                # on (a retry never saves the same step beside it) and its failure is not lost.
+                if saving is not None and (failure := await settled(saving)) is not None:
+                    log.warning("saving the step failed", step=step + 1, error=repr(failure))
+                raise
             # Written while the replicas resume (the block's exit): they serve the step before
             # this one until this one is announced, and writing files needs no accelerator.
             await saving

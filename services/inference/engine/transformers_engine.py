@@ -51,6 +51,7 @@ from artery.services.inference.engine.sampling import completion_seed
 from artery.services.inference.engine.stops import first_stop
 from artery.shared.metrics import count_generated
 from artery.shared.models import warm_start
+from artery.shared.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -149,9 +150,7 @@ class TransformersEngine:
     async def close(self) -> None:
         self._abort.set()
         if self._scheduler is not None:
-            self._scheduler.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._scheduler
+            await cancel_and_wait(self._scheduler)
             self._scheduler = None
         with self._waiting_lock:
             waiting, self._pending = list(self._pending), deque()
