@@ -193,6 +193,11 @@ class VLLMEngine:
             # 0: the sampled token's logprob only; k: and the k most likely.
             logprobs=max(params.top_logprobs, 0) if params.logprobs else 0,
             output_kind=RequestOutputKind.DELTA,
+            # Text comes from this engine's tokenizer (``generate``, the API's streams), never from
+            # vLLM's: its incremental detokenizer, and its decoding of every logprob's token, would
+            # take the front end's core from the engine core for nothing. vLLM matches stop
+            # strings on its own text, so a request with them keeps it.
+            detokenize=bool(params.stop),
         )
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[TokenStep]:
