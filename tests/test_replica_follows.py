@@ -257,10 +257,15 @@ async def test_a_replica_started_after_a_step_is_caught_up_before_it_says_ready(
     """What ``main`` waits on before the ``ready`` line: the step published before the replica
     started is loaded, so a client routed to the new replica at once finds it served."""
     engine = SlowEngine()
-    published = await nc.subscribe(subjects.checkpoint("published", PROJECT, MODEL))
     async with publishing(nc, database_url, keep_latest=10):
         await save(js, tmp_path, 1)
+        # Read back from the stream, where the replica's catch-up reads it: a plain subscription
+        # can hear the publish before the stream has stored it, and the catch-up then finds none.
+        published = await js.subscribe(
+            subjects.checkpoint("published", PROJECT, MODEL), ordered_consumer=True
+        )
         await published.next_msg(timeout=30)
+        await published.unsubscribe()
         watcher = CheckpointWatcher(js, PROJECT, MODEL, engine, lambda step, name: None, cache_dir=tmp_path)
         async with following(watcher):
             assert watcher.newest_step == 1  # read by the first catch-up, inside start()
