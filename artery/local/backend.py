@@ -19,7 +19,7 @@ from artery.dev import note_no_effect
 from artery.errors import LocalServingUnavailableError
 from artery.local.train_result import LocalTrainResult
 from artery.ops.stack import SERVICES, Stack
-from artery.ops.stack_engine import EngineChoice, replica_engine
+from artery.ops.stack_engine import REPLICA_START_TIMEOUT_S, EngineChoice, replica_engine
 from artery.schemas.training import TrainConfig
 from artery.shared import lifeline
 from artery.shared.auth import nats_connect_options, secret_value
@@ -117,8 +117,9 @@ class LocalBackend(Backend):
             self._started = True
         return await super()._connect()
 
-    async def _inference_url(self, model: Model, timeout_s: float = 180.0) -> str | None:
-        """Start this model's inference replica (once), then find it in the registry."""
+    async def _inference_url(self, model: Model, timeout_s: float | None = None) -> str | None:
+        """Start this model's inference replica (once), then find it in the registry; ``timeout_s``
+        (default: the engine's ``start_timeout_s``) for each."""
         name = f"inference-{model.project}-{model.name}"
         if self.start_inference and name not in self.stack.processes:
             base_model = getattr(model, "base_model", None)
@@ -127,6 +128,7 @@ class LocalBackend(Backend):
             choice = replica_engine(base_model, {**os.environ, **self.stack.extra_env, **self.inference_env})
             print(f"{name}: {choice.log_line()}", file=sys.stderr, flush=True)
             self.engines[(model.project, model.name)] = choice
+            timeout_s = choice.start_timeout_s if timeout_s is None else timeout_s
             env = {
                 **self.stack.replica_env(model.project, model.name, base_model),
                 "ARTERY_INFERENCE_REPLICA_ID": f"local-{model.project}-{model.name}",
@@ -140,7 +142,11 @@ class LocalBackend(Backend):
                 await asyncio.to_thread(process.wait_ready, timeout_s)
             except (RuntimeError, TimeoutError) as exc:  # as ART: local serving cannot start
                 raise LocalServingUnavailableError(f"{name} did not start serving: {exc}") from exc
-        return await super()._inference_url(model, timeout_s=timeout_s if self.start_inference else 0.0)
+        if not self.start_inference:
+            timeout_s = 0.0
+        return await super()._inference_url(
+            model, timeout_s=REPLICA_START_TIMEOUT_S if timeout_s is None else timeout_s
+        )
 
     async def train(self, model: Model, *args: Any, **kwargs: Any) -> LocalTrainResult:
         """``Backend.train``, returning ART's ``LocalTrainResult`` (with the step's checkpoint path).

@@ -49,6 +49,11 @@ class ModelFacts:
     why_unknown: str | None = None
 
 
+#: Seconds a replica may take to say ready (``EngineChoice.start_timeout_s``).
+REPLICA_START_TIMEOUT_S = 180.0
+VLLM_START_TIMEOUT_S = 900.0
+
+
 @dataclass(frozen=True)
 class EngineChoice:
     #: ``transformers`` or ``vllm`` when chosen; an explicit name is passed on as given.
@@ -68,6 +73,13 @@ class EngineChoice:
         if self.dtype is not None:
             env["ARTERY_INFERENCE_DTYPE"] = self.dtype
         return env
+
+    @property
+    def start_timeout_s(self) -> float:
+        """How long a replica on this engine may take to say ready. vLLM compiles the model at its
+        first start (torch.compile: minutes on a small CPU, cached for later starts); a replica
+        that dies meanwhile is noticed at once, whatever the limit."""
+        return VLLM_START_TIMEOUT_S if self.engine == "vllm" else REPLICA_START_TIMEOUT_S
 
     def log_line(self) -> str:
         dtype = f" in {self.dtype}" if self.dtype else ""
