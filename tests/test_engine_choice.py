@@ -494,3 +494,26 @@ def test_vllms_processes_end_when_their_replica_is_killed(tmp_path, executor):
 def test_no_replica_named_no_watch():
     """Outside a spawned process (the replica imports the module too) nothing is watched."""
     assert vllm_cpu_worker.end_with_the_replica() is None
+
+
+def test_a_vllm_replica_is_given_the_time_its_first_compile_takes(monkeypatch):
+    """``LocalBackend`` and ``artery up`` (at start and at each restart) wait for a vLLM replica as
+    long as a cold torch.compile takes on a small CPU; for every other process a few minutes."""
+    from artery.ops.cli import SERVICE_START_TIMEOUT_S, _ready_timeouts
+
+    assert stack_engine.VLLM_START_TIMEOUT_S > stack_engine.REPLICA_START_TIMEOUT_S
+    assert EngineChoice("vllm", "bfloat16", "bf16 CPU").start_timeout_s == stack_engine.VLLM_START_TIMEOUT_S
+    assert EngineChoice("transformers", None, "").start_timeout_s == stack_engine.REPLICA_START_TIMEOUT_S
+
+    monkeypatch.delenv("ARTERY_INFERENCE_ENGINE", raising=False)
+    replicas = [("demo", "agent", TINY)]
+    vllm_timeout, other_timeout = stack_engine.VLLM_START_TIMEOUT_S, stack_engine.REPLICA_START_TIMEOUT_S
+    assert _ready_timeouts(("collector", "trainer"), replicas, "vllm") == {
+        "collector": SERVICE_START_TIMEOUT_S,
+        "trainer": SERVICE_START_TIMEOUT_S,
+        "inference-demo-agent": vllm_timeout,
+    }
+    # No --engine: the replica runs the environment's engine, else the settings' default.
+    assert _ready_timeouts((), replicas, None) == {"inference-demo-agent": other_timeout}
+    monkeypatch.setenv("ARTERY_INFERENCE_ENGINE", "vllm")
+    assert _ready_timeouts((), replicas, None) == {"inference-demo-agent": vllm_timeout}

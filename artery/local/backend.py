@@ -19,7 +19,7 @@ from artery.dev import note_no_effect
 from artery.errors import LocalServingUnavailableError
 from artery.local.train_result import LocalTrainResult
 from artery.ops.stack import SERVICES, Stack
-from artery.ops.stack_engine import REPLICA_START_TIMEOUT_S, EngineChoice, replica_engine
+from artery.ops.stack_engine import EngineChoice, replica_engine
 from artery.schemas.training import TrainConfig
 from artery.shared import lifeline
 from artery.shared.auth import nats_connect_options, secret_value
@@ -119,34 +119,40 @@ class LocalBackend(Backend):
 
     async def _inference_url(self, model: Model, timeout_s: float | None = None) -> str | None:
         """Start this model's inference replica (once), then find it in the registry; ``timeout_s``
-        (default: the engine's ``start_timeout_s``) for each."""
-        name = f"inference-{model.project}-{model.name}"
-        if self.start_inference and name not in self.stack.processes:
-            base_model = getattr(model, "base_model", None)
-            if not isinstance(base_model, str):
-                raise TypeError(f"{model!r} names no base model: a replica serves a TrainableModel's")
-            choice = replica_engine(base_model, {**os.environ, **self.stack.extra_env, **self.inference_env})
-            print(f"{name}: {choice.log_line()}", file=sys.stderr, flush=True)
-            self.engines[(model.project, model.name)] = choice
-            timeout_s = choice.start_timeout_s if timeout_s is None else timeout_s
-            env = {
-                **self.stack.replica_env(model.project, model.name, base_model),
-                "ARTERY_INFERENCE_REPLICA_ID": f"local-{model.project}-{model.name}",
-                # A fixed port: a replica restarted after a crash comes back where clients look.
-                "ARTERY_INFERENCE_PORT": str(free_port()),
-                **self.inference_env,
-                **choice.env,
-            }
-            process = self.stack.start_service(name, service="inference", env=env)
-            try:
-                await asyncio.to_thread(process.wait_ready, timeout_s)
-            except (RuntimeError, TimeoutError) as exc:  # as ART: local serving cannot start
-                raise LocalServingUnavailableError(f"{name} did not start serving: {exc}") from exc
+        (default: the engine's ``start_timeout_s``) for each. Without ``start_inference`` the
+        replica is someone else's: it is registered already or not at all."""
         if not self.start_inference:
-            timeout_s = 0.0
-        return await super()._inference_url(
-            model, timeout_s=REPLICA_START_TIMEOUT_S if timeout_s is None else timeout_s
-        )
+            return await super()._inference_url(model, timeout_s=0.0)
+        name = f"inference-{model.project}-{model.name}"
+        if name not in self.stack.processes:
+            await self._start_replica(name, model, timeout_s)
+        if timeout_s is None:
+            timeout_s = self.engines[(model.project, model.name)].start_timeout_s
+        return await super()._inference_url(model, timeout_s=timeout_s)
+
+    async def _start_replica(self, name: str, model: Model, timeout_s: float | None) -> None:
+        """Start replica ``name`` for ``model`` on the engine chosen for it and wait until it says
+        ready: ``timeout_s``, else the engine's ``start_timeout_s``."""
+        base_model = getattr(model, "base_model", None)
+        if not isinstance(base_model, str):
+            raise TypeError(f"{model!r} names no base model: a replica serves a TrainableModel's")
+        choice = replica_engine(base_model, {**os.environ, **self.stack.extra_env, **self.inference_env})
+        print(f"{name}: {choice.log_line()}", file=sys.stderr, flush=True)
+        self.engines[(model.project, model.name)] = choice
+        env = {
+            **self.stack.replica_env(model.project, model.name, base_model),
+            "ARTERY_INFERENCE_REPLICA_ID": f"local-{model.project}-{model.name}",
+            # A fixed port: a replica restarted after a crash comes back where clients look.
+            "ARTERY_INFERENCE_PORT": str(free_port()),
+            **self.inference_env,
+            **choice.env,
+        }
+        process = self.stack.start_service(name, service="inference", env=env)
+        ready_within = choice.start_timeout_s if timeout_s is None else timeout_s
+        try:
+            await asyncio.to_thread(process.wait_ready, ready_within)
+        except (RuntimeError, TimeoutError) as exc:  # as ART: local serving cannot start
+            raise LocalServingUnavailableError(f"{name} did not start serving: {exc}") from exc
 
     async def train(self, model: Model, *args: Any, **kwargs: Any) -> LocalTrainResult:
         """``Backend.train``, returning ART's ``LocalTrainResult`` (with the step's checkpoint path).

@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 
 DEFAULT_HOME = ".artery/stack"
+#: Seconds a service (not a replica: ``stack_engine.start_timeout_s``) may take to say ready.
+SERVICE_START_TIMEOUT_S = 300.0
 
 
 def _line(name: str, state: str, detail: str = "") -> None:
@@ -72,8 +74,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         for name in services:
             process = stack.start_service(name)
             _line(name, "started", f"pid {process.popen().pid}, log {process.log_path}")
+        ready_within = _ready_timeouts(services, replicas, engine_env.get("ARTERY_INFERENCE_ENGINE"))
         for project, model, base_model in replicas:
-            name = f"inference-{project}-{model}"
+            name = _replica_name(project, model)
             stack.start_service(
                 name,
                 service="inference",
@@ -81,7 +84,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             )
             _line(name, "started", f"serving {project}/{model} on {base_model}")
         for name in stack.processes:
-            stack.processes[name].wait_ready(timeout=300)
+            stack.processes[name].wait_ready(timeout=ready_within[name])
             _line(name, "ready")
         stack.save_endpoints()
         _print_endpoints(stack.endpoints())
@@ -97,7 +100,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                     process.start()
                     _line(name, "started", f"pid {process.popen().pid}")
                     try:
-                        process.wait_ready()
+                        process.wait_ready(timeout=ready_within[name])
                         _line(name, "ready")
                     except (RuntimeError, TimeoutError) as exc:
                         _line(name, "failed", str(exc))
@@ -125,6 +128,25 @@ def _print_endpoints(endpoints: dict) -> None:
     else:
         print("  credentials  none: the embedded NATS is open to local clients (--secure adds users)")
     sys.stdout.flush()
+
+
+def _replica_name(project: str, model: str) -> str:
+    return f"inference-{project}-{model}"
+
+
+def _ready_timeouts(
+    services: tuple[str, ...], replicas: list[tuple[str, str, str]], engine: str | None
+) -> dict[str, float]:
+    """Seconds each process of ``artery up`` may take to say ready, at start and at each restart:
+    a vLLM replica compiles its model first (``stack_engine.start_timeout_s``). ``engine``: the
+    replicas' engine as named (``--engine``), else the environment's, else the settings' default."""
+    from artery.ops.stack_engine import start_timeout_s
+
+    engine = engine or os.environ.get("ARTERY_INFERENCE_ENGINE") or "transformers"
+    timeouts = dict.fromkeys(services, SERVICE_START_TIMEOUT_S)
+    for project, model, _base_model in replicas:
+        timeouts[_replica_name(project, model)] = start_timeout_s(engine)
+    return timeouts
 
 
 def _parse_serve(spec: str) -> tuple[str, str, str]:

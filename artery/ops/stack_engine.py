@@ -49,9 +49,16 @@ class ModelFacts:
     why_unknown: str | None = None
 
 
-#: Seconds a replica may take to say ready (``EngineChoice.start_timeout_s``).
+#: Seconds a replica may take to say ready (``start_timeout_s``).
 REPLICA_START_TIMEOUT_S = 180.0
 VLLM_START_TIMEOUT_S = 900.0
+
+
+def start_timeout_s(engine: str) -> float:
+    """How long a replica on ``engine`` may take to say ready. vLLM compiles the model at its
+    first start (torch.compile: minutes on a small CPU, cached for later starts); a replica that
+    dies meanwhile is noticed at once, whatever the limit."""
+    return VLLM_START_TIMEOUT_S if engine == "vllm" else REPLICA_START_TIMEOUT_S
 
 
 @dataclass(frozen=True)
@@ -76,10 +83,8 @@ class EngineChoice:
 
     @property
     def start_timeout_s(self) -> float:
-        """How long a replica on this engine may take to say ready. vLLM compiles the model at its
-        first start (torch.compile: minutes on a small CPU, cached for later starts); a replica
-        that dies meanwhile is noticed at once, whatever the limit."""
-        return VLLM_START_TIMEOUT_S if self.engine == "vllm" else REPLICA_START_TIMEOUT_S
+        """How long a replica on this engine may take to say ready (``start_timeout_s``)."""
+        return start_timeout_s(self.engine)
 
     def log_line(self) -> str:
         dtype = f" in {self.dtype}" if self.dtype else ""
