@@ -8,7 +8,10 @@ and the model is one vLLM-CPU serves (attention heads of at least 64 dimensions:
 tiny test model's 32 no). Otherwise the transformers engine: without those instructions bf16
 matmuls fall back to a slow path (SmolLM2 served ~6 tokens/s, a fifth of float32), and vLLM-CPU
 in float32 served no faster than the transformers engine while starting ~40 s later
-(``docs/results/2026-11-28-avx2-engine-choice.md``). An engine or dtype someone named
+(``docs/results/2026-11-28-avx2-engine-choice.md``). With AVX-512 and LoRA compiled, vLLM-CPU's
+float32 serves more tokens/s under load, yet a training loop ran slower on it: its replica starts
+later and its processes slow the trainer beside them
+(``docs/results/2026-12-03-vllm-float32-on-avx512.md``). An engine or dtype someone named
 always wins. On a GPU device the transformers engine stays the default: the vLLM found here may
 be the CPU build, so vLLM on a GPU is asked for by name.
 
@@ -121,8 +124,8 @@ def choose_engine(
         unsuitable = f"device {device}: vLLM on a GPU is asked for by name (engine='vllm')"
     elif not bf16_cpu:
         unsuitable = (
-            "this CPU has no bf16 instructions (avx512_bf16, amx_bf16): vLLM-CPU's float32"
-            " serves no faster than transformers here"
+            "this CPU has no bf16 instructions (avx512_bf16, amx_bf16): a training loop runs"
+            " faster on transformers than on vLLM-CPU's float32 here"
         )
     elif not vllm_installed:
         unsuitable = "no vLLM here: `make setup-vllm` builds .venv-vllm"
