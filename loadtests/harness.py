@@ -114,6 +114,17 @@ def sync_device(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def gpu_present() -> bool:
+    """Whether a CUDA GPU is here (vLLM serves on it, not on the CPU)."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def load_average() -> float | None:
     """The 1-minute load average (what else was running shapes every figure), where there is one."""
     return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None

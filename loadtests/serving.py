@@ -49,7 +49,7 @@ from artery.shared.cpu import cpu_has_bf16
 from artery.shared.models import SMOLLM2, resolve_base_model
 from loadtests import RESULTS_DIR, harness
 from loadtests.chat_client import Round, chat_round, prompts
-from loadtests.harness import STOP_TIMEOUT_S, argv_of, load_average, machine, table, tail
+from loadtests.harness import STOP_TIMEOUT_S, argv_of, gpu_present, load_average, machine, table, tail
 from loadtests.serving_result import (
     IN_PROCESS,
     KEPT,
@@ -153,6 +153,34 @@ async def measure_phase(phase: tuple[str, ...], servers: Servers, hf, config: Co
     }
 
 
+def bring_up(
+    servers: Servers,
+    cast: list[Contender],
+    *,
+    one_at_a_time: bool,
+    meanwhile: Callable[[], None],
+    say: Callable[[str], None],
+) -> None:
+    """Start ``cast``'s servers and wait until each serves, doing ``meanwhile`` as they load.
+
+    On a GPU they start one at a time: a vLLM server sizes its KV cache from the GPU memory that
+    goes while it profiles, so a neighbour loading its model at the same moment is counted as
+    its own (vLLM issue 55827): the cache shrinks, or the engine core fails at start. On the CPU
+    they load side by side."""
+
+    def up(c: Contender) -> None:
+        servers.wait(c.name)
+        say(f"  {c.name} up at {servers.urls[c.name]}")
+
+    for c in cast:
+        servers.start(c)
+        if one_at_a_time:
+            up(c)
+    meanwhile()
+    for c in cast if not one_at_a_time else ():
+        up(c)
+
+
 def run_phases(config: Config, phases: tuple[tuple[str, ...], ...], cast: dict[str, Contender]) -> list[dict]:
     clock = Clock()
     measured = []
@@ -160,27 +188,34 @@ def run_phases(config: Config, phases: tuple[tuple[str, ...], ...], cast: dict[s
     with tempfile.TemporaryDirectory(prefix="artery-bench-serving-") as home:
         stack = Stack(home=Path(home), services=())
         servers = Servers(stack, config.base_model, Path(home))
+        one_at_a_time = gpu_present()
+
+        def load_hf(phase: tuple[str, ...]) -> None:
+            nonlocal hf
+            if "hf_generate" in phase and hf is None:
+                from loadtests.inference import HFBaseline
+
+                hf = HFBaseline(resolve_base_model(config.base_model), config.threads)
+
         try:
             stack.start_infrastructure()
             for i, step in enumerate(plan(phases), 1):
                 if step.start:
                     clock.say(f"phase {i}: starting {', '.join(step.start)}")
-                for name in step.start:
-                    servers.start(cast[name])
-                if "hf_generate" in step.phase and hf is None:
-                    from loadtests.inference import HFBaseline
-
-                    hf = HFBaseline(resolve_base_model(config.base_model), config.threads)
-                for name in step.start:
-                    servers.wait(name)
-                    clock.say(f"  {name} up at {servers.urls[name]}")
+                bring_up(
+                    servers,
+                    [cast[name] for name in step.start],
+                    one_at_a_time=one_at_a_time,
+                    meanwhile=functools.partial(load_hf, step.phase),
+                    say=clock.say,
+                )
                 clock.say(f"phase {i}: {' / '.join(step.phase)}, {config.rounds} rounds")
                 measured.append(asyncio.run(measure_phase(step.phase, servers, hf, config, clock)))
                 for name in step.stop_after:
                     servers.stop(name)
         except BaseException:
             for name in [*stack.processes, *servers.popen]:
-                if lines := tail(servers.log(name), 15):
+                if lines := tail(servers.log(name), 60):
                     print(f"{name} log (last lines):\n{lines}", file=sys.stderr)
             raise
         finally:

@@ -212,6 +212,48 @@ def test_serving_starts_each_server_once_and_stops_it_after_its_last_phase():
     assert phases_for([]) == PHASES
 
 
+class _RecordingServers:
+    """Stands in for ``loadtests.serving_servers.Servers``: records the order of starts and waits."""
+
+    def __init__(self, events: list[str]) -> None:
+        self.events = events
+        self.urls: dict[str, str] = {}
+
+    def start(self, c) -> None:
+        self.events.append(f"start {c.name}")
+
+    def wait(self, name: str) -> None:
+        self.events.append(f"wait {name}")
+        self.urls[name] = f"http://{name}"
+
+
+@pytest.mark.parametrize(
+    ("one_at_a_time", "expected"),
+    [
+        # a GPU: each vLLM server has loaded before the next one starts profiling its memory
+        (True, ["start a", "wait a", "start b", "wait b", "meanwhile"]),
+        # the CPU: both load side by side while the HF baseline loads here
+        (False, ["start a", "start b", "meanwhile", "wait a", "wait b"]),
+    ],
+)
+def test_serving_servers_on_a_gpu_start_one_at_a_time(one_at_a_time, expected):
+    from loadtests.serving import bring_up
+    from loadtests.serving_servers import Contender
+
+    events: list[str] = []
+    said: list[str] = []
+    cast = [Contender(name, name) for name in ("a", "b")]
+    bring_up(
+        _RecordingServers(events),
+        cast,
+        one_at_a_time=one_at_a_time,
+        meanwhile=lambda: events.append("meanwhile"),
+        say=said.append,
+    )
+    assert events == expected
+    assert said == ["  a up at http://a", "  b up at http://b"]
+
+
 def test_vllm_serve_gets_the_engines_own_arguments_as_flags():
     from loadtests.serving_result import serve_flags
 
