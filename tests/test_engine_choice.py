@@ -29,7 +29,7 @@ from artery.ops.stack_engine import (
     replica_engine,
 )
 from artery.schemas import TrainConfig
-from artery.services.inference.engine import vllm_cpu_compiled_lora, vllm_cpu_worker
+from artery.services.inference.engine import vllm_cpu_compiled_lora, vllm_cpu_worker, vllm_lora_targets
 from artery.shared import lifeline
 from artery.shared.cpu import cpu_has_bf16
 from artery.shared.models import TINY
@@ -389,6 +389,41 @@ def test_an_idle_worker_polls_for_milliseconds_not_a_second():
         pass
 
     assert not vllm_cpu_worker.shorten_idle_spin(Other)
+
+
+# --------------------------------------------------------------------------- a LoRA on lm_head
+
+
+def test_vllm_is_told_it_can_serve_a_lora_on_lm_head_where_a_class_leaves_it_off(monkeypatch):
+    """vLLM serves a LoRA on ``lm_head`` only for a model class that lists it (Llama's does,
+    Qwen2's does not). The declaration goes on the class itself, never into the dict that its
+    base class shares with every other class; a class this vLLM lacks is skipped."""
+    import types
+
+    shared_default: dict[str, str] = {}
+
+    class SupportsLoRA:
+        embedding_modules = shared_default
+
+    class Qwen2Like(SupportsLoRA):
+        pass
+
+    class LlamaLike(SupportsLoRA):
+        embedding_modules = {"embed_tokens": "input_embeddings", "lm_head": "output_embeddings"}
+
+    models = types.ModuleType("fake_vllm_models")
+    models.Qwen2Like, models.LlamaLike = Qwen2Like, LlamaLike  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "fake_vllm_models", models)
+    classes = (
+        "fake_vllm_models.Qwen2Like",
+        "fake_vllm_models.LlamaLike",
+        "fake_vllm_models.Gone",  # renamed in another vLLM
+        "no_such_vllm.models.Qwen2Like",
+    )
+    assert vllm_lora_targets.declare_lm_head_lora(classes) == ["fake_vllm_models.Qwen2Like"]
+    assert Qwen2Like.embedding_modules == {"lm_head": "output_embeddings"}
+    assert shared_default == {} and LlamaLike.embedding_modules["lm_head"] == "output_embeddings"
+    assert vllm_lora_targets.declare_lm_head_lora(classes) == []  # once is enough
 
 
 # --------------------------------------------------------------------------- vLLM-CPU's compile cache

