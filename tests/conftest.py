@@ -72,6 +72,10 @@ def pytest_collection_modifyitems(config, items):
         raise pytest.UsageError(f"tests/tiers.py: these need servers, not their tier:\n{listed}")
 
 
+#: How multiprocessing starts its resource tracker (the command line of that process).
+RESOURCE_TRACKER = "from multiprocessing.resource_tracker import main"
+
+
 def pytest_sessionstart(session):
     os.environ[PROCESS_TAG] = uuid.uuid4().hex
 
@@ -120,7 +124,8 @@ def report_leftovers(session, tag: str) -> None:
 
 
 def tagged_processes(tag: str) -> dict[int, str]:
-    """pid -> command line of every other process whose environment carries ``tag``."""
+    """pid -> command line of every other process whose environment carries ``tag``, except this
+    interpreter's own resource tracker."""
     needle = f"{PROCESS_TAG}={tag}".encode()
     found = {}
     for entry in Path("/proc").iterdir():
@@ -129,10 +134,22 @@ def tagged_processes(tag: str) -> dict[int, str]:
         try:
             if needle in (entry / "environ").read_bytes().split(b"\0"):
                 cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
-                found[int(entry.name)] = cmdline.decode(errors="replace").strip()
+                command = cmdline.decode(errors="replace").strip()
+                if not _our_resource_tracker(entry, command):
+                    found[int(entry.name)] = command
         except OSError:  # gone meanwhile, or not ours to read
             continue
     return found
+
+
+def _our_resource_tracker(entry: Path, command: str) -> bool:
+    """multiprocessing's resource tracker for this interpreter: its first ``spawn`` starts it
+    (vLLM's engine core, started in-process by the GPU tests) and it ends when we do, after this
+    check; no test started it, and no test can stop it."""
+    if RESOURCE_TRACKER not in command:
+        return False
+    parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    return parent == os.getpid()
 
 
 @pytest.fixture
