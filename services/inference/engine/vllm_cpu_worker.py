@@ -162,9 +162,12 @@ def install() -> None:
     import torch.compiler
 
     load_compiled_as_saved(torch.compiler)
-    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
-
-    shorten_warmup(CPUModelRunner)
+    try:  # an optimisation: a vLLM without this runner starts as it would anyway
+        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    except ImportError:
+        pass
+    else:
+        shorten_warmup(CPUModelRunner)
     end_with_the_replica()
     spin_condition = getattr(shm_broadcast, "SpinCondition", None)
     if spin_condition is not None:
