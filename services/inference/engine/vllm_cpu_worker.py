@@ -67,8 +67,9 @@ def shorten_warmup(model_runner: type[Any], tokens: int = WARMUP_TOKENS) -> bool
     CPU's KV cache is given (``VLLM_CPU_KVCACHE_SPACE``), so there it only compiles the model, or
     loads the compiled one, and any batch does that: torch.compile traces the token count as a
     dynamic size, and the graph it compiles (or loaded) serves every batch up to the budget. The
-    full pass took 9.2 of a SmolLM2 replica's 47 s start on 2 cores, at every start. False when
-    the runner has no ``warming_up_model`` or ``_dummy_run`` to wrap, True once installed."""
+    full pass cost seconds at every start (docs/results/2026-12-04-vllm-cpu-warm-up-and-demo.md).
+    False when the runner has no ``warming_up_model`` or ``_dummy_run`` to wrap, True once
+    installed."""
     warm_up = getattr(model_runner, "warming_up_model", None)
     if warm_up is None or getattr(model_runner, "_dummy_run", None) is None:
         return False
