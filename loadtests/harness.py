@@ -5,7 +5,8 @@
   ``LocalBackend``'s services drained and stopped after a run), ``tail`` of a log;
 - the result: ``load_average`` and ``machine`` (under what the figures were taken), ``report``
   (print the table, write the JSON), ``table``, ``percentile``, ``summary_ms``, ``version``;
-- where the CPU went: ``CpuMeter``, ``proc_cpu_s``, ``tree_cpu_s``, ``machine_busy_s`` (Linux ``/proc``);
+- where the CPU went: ``CpuMeter``, ``proc_cpu_s``, ``tree_cpu_s``, ``machine_busy_s`` (Linux ``/proc``),
+  and ``until_idle`` (servers that stopped computing before another one's turn is timed);
 - realistic wire objects: ``build_trajectory``, ``build_group`` (also the tests' factories).
 """
 
@@ -22,7 +23,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -212,7 +215,44 @@ def _children(pid: int) -> list[int]:
 
 def tree_cpu_s(pid: int) -> float:
     """CPU seconds of a process and its descendants (a vLLM server's engine core is a child)."""
-    return proc_cpu_s(pid) + sum(tree_cpu_s(child) for child in _children(pid))
+    return sum(proc_cpu_s(p) for p in process_tree(pid))
+
+
+def process_tree(pid: int) -> list[int]:
+    """A process and its descendants, as they are now."""
+    return [pid, *(p for child in _children(pid) for p in process_tree(child))]
+
+
+#: ``until_idle``: the window over which a server counts as idle, and what it may use in it.
+IDLE_WINDOW_S, IDLE_CORE_SHARE = 0.2, 0.1
+
+
+@dataclass(frozen=True)
+class Quiet:
+    """What ``until_idle`` waited: seconds, and whether the servers went idle within its limit."""
+
+    waited_s: float
+    settled: bool
+
+
+async def until_idle(pids: list[int], timeout_s: float = 10.0) -> Quiet:
+    """Wait until the processes ``pids`` (with their descendants) use at most ``IDLE_CORE_SHARE``
+    of a core over ``IDLE_WINDOW_S``, or ``timeout_s`` has passed.
+
+    Why: contenders timed in turns share the cores, and a server may go on computing after its
+    last answer: vLLM's worker polls its queue for a second after its last batch (vLLM's
+    ``SpinCondition``), taking a core from whichever contender's round comes next. Reading the
+    servers' CPU time is the only signal of that; nothing announces it."""
+    tree = [p for pid in pids for p in process_tree(pid)]
+    started = time.monotonic()
+    while True:
+        used = sum(proc_cpu_s(p) for p in tree)
+        await asyncio.sleep(IDLE_WINDOW_S)  # the window the CPU time is read over
+        waited = time.monotonic() - started
+        if sum(proc_cpu_s(p) for p in tree) - used <= IDLE_CORE_SHARE * IDLE_WINDOW_S:
+            return Quiet(waited, True)
+        if waited >= timeout_s:
+            return Quiet(waited, False)
 
 
 def machine_busy_s() -> float:

@@ -84,6 +84,10 @@ class Config:
     threads: int | None = None
 
 
+#: The longest a turn waits for the other servers to go idle (vLLM's own poll lasts a second).
+IDLE_TIMEOUT_S = 10.0
+
+
 class Clock:
     """Progress lines with the time since the run began (vLLM servers take minutes to start)."""
 
@@ -105,6 +109,25 @@ def _cpu(servers: Servers, names: tuple[str, ...]) -> dict[str, float]:
     return out
 
 
+class Turns:
+    """Each contender's turn begins once the phase's other servers are idle (``until_idle``):
+    the one before may still be computing after its last answer (vLLM's worker polls for a
+    second), on the cores the next one is timed on. The in-process ``generate()`` has no server."""
+
+    def __init__(self, servers: Servers, phase: tuple[str, ...]) -> None:
+        self.pids = {name: servers.pid(name) for name in phase if name not in IN_PROCESS}
+        self.waited_s = 0.0
+        self.not_idle = 0
+
+    async def before(self, name: str) -> None:
+        others = [pid for other, pid in self.pids.items() if other != name and pid]
+        if not others:
+            return
+        quiet = await harness.until_idle(others, timeout_s=IDLE_TIMEOUT_S)
+        self.waited_s += quiet.waited_s
+        self.not_idle += not quiet.settled
+
+
 async def measure_phase(phase: tuple[str, ...], servers: Servers, hf, config: Config, clock: Clock) -> dict:
     """One warm-up round each, then ``rounds`` rounds taking turns."""
     batch = prompts(config.concurrency)
@@ -123,7 +146,9 @@ async def measure_phase(phase: tuple[str, ...], servers: Servers, hf, config: Co
                 runs[name] = functools.partial(
                     chat_round, client, servers.urls[name], MODEL, batch, config.max_tokens, logprobs=True
                 )
+        turns = Turns(servers, phase)
         for name, run in runs.items():
+            await turns.before(name)
             warm = await run()
             clock.say(f"  warm-up {name}: {warm.tokens / warm.seconds:,.1f} tokens/s")
         load_before = load_average()
@@ -131,6 +156,7 @@ async def measure_phase(phase: tuple[str, ...], servers: Servers, hf, config: Co
         rounds: dict[str, list[Round]] = {name: [] for name in phase}
         for i in range(config.rounds):
             for name, run in runs.items():
+                await turns.before(name)
                 r = await run()
                 rounds[name].append(r)
             clock.say(
@@ -150,6 +176,10 @@ async def measure_phase(phase: tuple[str, ...], servers: Servers, hf, config: Co
         "cpu_s": cpu,
         "other_share": round(cpu["other"] / (cores * seconds), 3) if seconds else 0.0,
         "figures": {name: figures(rs, config.concurrency) for name, rs in rounds.items()},
+        # Before each turn, the other servers went idle (``Turns``): the seconds that took, and the
+        # turns that began with one still busy after ``IDLE_TIMEOUT_S``.
+        "idle_wait_s": round(turns.waited_s, 1),
+        "turns_not_idle": turns.not_idle,
     }
 
 

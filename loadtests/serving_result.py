@@ -161,6 +161,16 @@ def merge_into(output: Path, measured: dict) -> dict:
     return result
 
 
+def idle_waits(phase: dict) -> str:
+    """How long the phase's turns waited for the other servers to go idle (``serving.Turns``)."""
+    if "idle_wait_s" not in phase:  # a result written before turns waited
+        return "turns did not wait for idle servers"
+    busy = phase.get("turns_not_idle", 0)
+    return f"{phase['idle_wait_s']:.1f} s waiting for idle servers" + (
+        f", {busy} turns began with one still busy" if busy else ""
+    )
+
+
 def render(serving: dict) -> str:
     c, m = serving["config"], serving["machine"]
     # CPU s: the server's processes over the whole phase (idle turns included); for what runs in
@@ -199,7 +209,7 @@ def render(serving: dict) -> str:
         f"  phase {i}: load {p['load_average_1m_before']} before; benchmark process "
         f"{p['cpu_s'].get('benchmark', 0.0):.1f} CPU-s; other processes "
         f"{p['cpu_s'].get('other', 0.0):.1f} CPU-s ({p['other_share']:.0%} of the machine) "
-        f"over {p['seconds']:.0f} s"
+        f"over {p['seconds']:.0f} s; {idle_waits(p)}"
         for i, p in enumerate(serving["phases"], 1)
     ]
     return "\n".join(

@@ -284,6 +284,7 @@ def test_serving_table_shows_every_ratio_and_whether_its_target_is_met():
     from loadtests.serving_result import assemble, render
 
     phases = [_phase(artery_vllm=190.0, vllm_serve=200.0), _phase(artery_default=360.0, vllm_cpu_best=450.0)]
+    phases[1].update(idle_wait_s=12.4, turns_not_idle=1)
     contenders = {name: {"what": name} for p in phases for name in p["figures"]}
     out = assemble(
         phases,
@@ -295,6 +296,58 @@ def test_serving_table_shows_every_ratio_and_whether_its_target_is_met():
 
     assert "vllm_vs_vllm_serve" in printed and ">= 0.95: met" in printed
     assert "default_vs_best_cpu" in printed and ">= 0.9: BELOW" in printed
+    phase_lines = [line for line in printed.splitlines() if line.startswith("  phase ")]
+    assert phase_lines[0].endswith("turns did not wait for idle servers")  # an older result
+    assert phase_lines[1].endswith("12.4 s waiting for idle servers, 1 turns began with one still busy")
+
+
+# A process that computes until a line arrives on its stdin, then answers and sits idle; started
+# by a parent that waits for it, so it is a descendant of the pid the benchmark knows.
+_SPINNER = """
+import select, sys
+print("spinning", flush=True)
+while not select.select([sys.stdin], [], [], 0)[0]:
+    pass
+sys.stdin.readline()
+print("idle", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_turn_waits_until_the_other_servers_stop_computing():
+    """``harness.until_idle``: a server's descendant that still computes holds the next turn back
+    (until the limit, which says so); once it stops, the turn begins within a window."""
+    import asyncio
+    import subprocess
+    import sys
+
+    from loadtests.harness import IDLE_WINDOW_S, until_idle
+
+    parent = subprocess.Popen(
+        [sys.executable, "-c", f"import subprocess, sys; subprocess.run([sys.executable, '-c', {_SPINNER!r}])"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert parent.stdout is not None and parent.stdin is not None
+        assert parent.stdout.readline() == "spinning\n"
+
+        busy = asyncio.run(until_idle([parent.pid], timeout_s=1.0))
+        assert not busy.settled and busy.waited_s >= 1.0
+
+        parent.stdin.write("stop\n")
+        parent.stdin.flush()
+        assert parent.stdout.readline() == "idle\n"
+        quiet = asyncio.run(until_idle([parent.pid], timeout_s=30.0))
+        assert quiet.settled and quiet.waited_s < 30.0
+        assert quiet.waited_s >= IDLE_WINDOW_S  # one window read, at least
+    finally:
+        parent.kill()
+        parent.wait()
+        for pipe in (parent.stdin, parent.stdout):  # the spinner's end of file: it exits
+            if pipe is not None:
+                pipe.close()
 
 
 def test_inference_vllm_vs_serve_runs_the_serving_benchmarks_pair():
