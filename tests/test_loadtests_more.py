@@ -324,7 +324,12 @@ def test_a_turn_waits_until_the_other_servers_stop_computing():
     from loadtests.harness import IDLE_WINDOW_S, until_idle
 
     parent = subprocess.Popen(
-        [sys.executable, "-c", f"import subprocess, sys; subprocess.run([sys.executable, '-c', {_SPINNER!r}])"],
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys; subprocess.run([sys.executable, '-c', sys.argv[1]])",
+            _SPINNER,
+        ],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
