@@ -175,13 +175,19 @@ def _build_tokenizer(vocab_size: int):
     return tokenizer
 
 
+#: The default tiny model's width and attention heads: its shape is known before it is built
+#: (``artery.ops.stack_engine`` picks its engine from the head size).
+HIDDEN_SIZE, NUM_HEADS = 64, 4
+HEAD_DIM = HIDDEN_SIZE // NUM_HEADS
+
+
 def build_tiny_model(
     dest: Path,
     *,
     seed: int = 0,
-    hidden_size: int = 64,
+    hidden_size: int = HIDDEN_SIZE,
     num_layers: int = 2,
-    num_heads: int = 4,
+    num_heads: int = NUM_HEADS,
     num_kv_heads: int = 2,
     intermediate_size: int = 128,
     vocab_size: int = 1000,

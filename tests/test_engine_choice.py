@@ -24,6 +24,7 @@ from artery.ops.stack_engine import (
     DTYPE_MISMATCH_TIS_CAP,
     EngineChoice,
     ModelFacts,
+    base_model_facts,
     choose_engine,
     model_facts,
     replica_engine,
@@ -192,6 +193,16 @@ def test_model_facts_come_from_config_json(tmp_path):
     assert model_facts(None).why_unknown == "weights not found locally"
 
 
+def test_the_tiny_models_shape_is_known_before_it_is_built(tmp_path, monkeypatch):
+    """A machine that never built the tiny model chooses its engine for its head size, not for
+    an unknown shape; the size is the one the built model's config.json gives."""
+    monkeypatch.setenv("ARTERY_CACHE_DIR", str(tmp_path))
+    before = base_model_facts(TINY)
+    assert not (tmp_path / "models").exists()  # nothing built to know it
+    assert before.why_unknown is None
+    assert before.head_dim == model_facts(tiny_model_path()).head_dim == 16
+
+
 @pytest.mark.skipif(VLLM_HERE, reason="this interpreter has vllm: it would serve the vllm engine itself")
 def test_a_replica_gets_vllm_only_where_the_venv_is_built_and_the_model_qualifies(
     no_vllm_venv, tmp_path, monkeypatch
@@ -209,7 +220,7 @@ def test_a_replica_gets_vllm_only_where_the_venv_is_built_and_the_model_qualifie
         "ARTERY_INFERENCE_ENGINE": "vllm",
         "ARTERY_INFERENCE_DTYPE": "bfloat16",
     }
-    assert replica_engine(tiny, {}).engine == "transformers"  # head_dim 32
+    assert replica_engine(tiny, {}).engine == "transformers"  # head_dim 16
     assert replica_engine(TINY, {}).engine == "transformers"
     assert replica_engine(str(smol), {"ARTERY_INFERENCE_ENGINE": "transformers"}).engine == "transformers"
     assert replica_engine(str(smol), {"ARTERY_INFERENCE_DEVICE": "cuda"}).engine == "transformers"

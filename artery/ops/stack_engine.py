@@ -177,6 +177,17 @@ def model_facts(model_dir: str | Path | None) -> ModelFacts:
     return ModelFacts(head_dim, None if head_dim else "no head size in config.json")
 
 
+def base_model_facts(base_model: str) -> ModelFacts:
+    """``ModelFacts`` of ``base_model`` from its weights on this machine (``local_weights_dir``).
+    The tiny test model is built on its first use, always to one shape, so its shape is known
+    before then too."""
+    if base_model == TINY:
+        from artery.shared.tiny_model import HEAD_DIM
+
+        return ModelFacts(HEAD_DIM, None)
+    return model_facts(local_weights_dir(base_model))
+
+
 def local_weights_dir(base_model: str) -> Path | None:
     """Where ``base_model``'s ``config.json`` already is on this machine, or None. Converts,
     builds and downloads nothing: a model not there yet is one whose shape is unknown."""
@@ -226,6 +237,6 @@ def replica_engine(base_model: str, env: Mapping[str, str]) -> EngineChoice:
         device=env.get("ARTERY_INFERENCE_DEVICE") or "cpu",
         # Asked only when it matters: an explicit engine needs no look at venvs or weights.
         vllm_installed=explicit in (None, "auto") and vllm_installed(env),
-        model=model_facts(local_weights_dir(base_model)),
+        model=base_model_facts(base_model),
         bf16_cpu=cpu_has_bf16(),
     )
