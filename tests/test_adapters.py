@@ -6,6 +6,7 @@ import asyncio
 import io
 import json
 import os
+import random
 import tarfile
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from artery.shared.adapters import (
     AdapterNotFound,
     get_adapter,
     pack_adapter,
+    pack_files,
     put_adapter,
     read_archive_file,
     sha256_hex,
@@ -87,6 +89,36 @@ def test_pack_unpack_round_trip_is_deterministic(tmp_path):
     original = load_file(str(source / "adapter_model.safetensors"))
     assert loaded.keys() == original.keys()
     assert all(torch.equal(loaded[k], original[k]) for k in original)
+
+
+def tarfile_pack(files: list[tuple[str, bytes]]) -> bytes:
+    """What ``pack_files`` replaced: the members added through ``tarfile`` itself."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name, data in files:
+            info = tarfile.TarInfo(name)
+            info.size, info.mode, info.mtime = len(data), 0o644, 0
+            info.uid = info.gid = 0
+            info.uname = info.gname = ""
+            tar.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [(), (0,), (1,), (512,), (513, 0, 1024), (10240 - 1536,), (10240 - 1535,), (3 * 1024 * 1024 + 7, 99)],
+)
+def test_pack_files_writes_the_bytes_tarfile_writes(sizes):
+    """Same bytes as before, so a step packed again has the sha256 it was stored and announced
+    under: every padding case (empty, partial and whole blocks, the end record just full or one
+    block over) and names that need a PAX header (long, non-ASCII)."""
+    rng = random.Random(len(sizes))
+    names = ["adapter_config.json", "a" * 150 + ".safetensors", "tokenizer-é.json"]
+    files = [(names[i % len(names)] + str(i), rng.randbytes(size)) for i, size in enumerate(sizes)]
+    packed = pack_files(files)
+    assert packed == tarfile_pack(files)
+    with tarfile.open(fileobj=io.BytesIO(packed), mode="r:") as tar:
+        assert [(m.name, tar.extractfile(m).read()) for m in tar.getmembers()] == files
 
 
 def test_sha_mismatch_writes_nothing(tmp_path):

@@ -32,7 +32,7 @@ from artery.services.trainer.policy import ADAPTER_DIR, TRAINER_STATE, LoraSetti
 from artery.services.trainer.settings import TrainerSettings
 from artery.services.trainer.slots import LoraSlots
 from artery.shared import trainer_state
-from artery.shared.adapters import AdapterError, check_member_name, pack_adapter
+from artery.shared.adapters import AdapterError, check_member_name, pack_adapter, pack_files
 from artery.shared.errors import DependencyUnavailable, InvalidMessage
 from artery.shared.logs import get_logger
 from artery.shared.object_store import nats_digest
@@ -140,20 +140,14 @@ def pack_state(directory: Path) -> bytes:
     recognised as the object already stored."""
     files = [p for p in sorted(directory.iterdir()) if p.name != ADAPTER_TAR and p.name != ADAPTER_DIR]
     files += sorted((directory / ADAPTER_DIR).iterdir())
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for path in files:
-            name = path.relative_to(directory).as_posix()
-            if path.is_symlink() or not path.is_file():
-                raise ModelUnusable(f"{directory}: {name!r} is not a regular file; a step holds files only")
-            _check_state_member(name)
-            data = path.read_bytes()
-            info = tarfile.TarInfo(name)
-            info.size, info.mode, info.mtime = len(data), 0o644, 0
-            info.uid = info.gid = 0
-            info.uname = info.gname = ""
-            tar.addfile(info, io.BytesIO(data))
-    return buffer.getvalue()
+    members = []
+    for path in files:
+        name = path.relative_to(directory).as_posix()
+        if path.is_symlink() or not path.is_file():
+            raise ModelUnusable(f"{directory}: {name!r} is not a regular file; a step holds files only")
+        _check_state_member(name)
+        members.append((name, path.read_bytes()))
+    return pack_files(members)
 
 
 def _check_state_member(name: str) -> None:
