@@ -18,6 +18,7 @@ from artery.schemas.checkpoints import (
     CheckpointDeleted,
     CheckpointPublished,
     CheckpointSaved,
+    CheckpointStaged,
     RetentionApplied,
     RetentionRequested,
 )
@@ -66,6 +67,7 @@ __all__ = [
     "CheckpointDeleted",
     "CheckpointPublished",
     "CheckpointSaved",
+    "CheckpointStaged",
     "ContentPart",
     "DeadLetter",
     "Event",

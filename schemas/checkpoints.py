@@ -24,6 +24,21 @@ class CheckpointSaved(Event, kw_only=True, tag="checkpoint.saved"):
     metrics: dict[str, float] = {}
 
 
+class CheckpointStaged(Event, kw_only=True, tag="checkpoint.staged"):
+    """The trainer stored the adapter for ``step`` and is storing the step's optimizer state; its
+    ``checkpoint.saved`` follows once both are stored.
+
+    A hint, on core NATS (no stream): a replica may fetch and unpack the adapter while the state
+    is stored, and serves it only when ``checkpoint.saved`` names the same sha256. A hint lost, or
+    a step that is never saved, costs that replica the prefetch and nothing else."""
+
+    #: As in ``checkpoint.saved``: the adapter in the trainer-state store.
+    uri: str
+    sha256: Sha256
+    size_bytes: Annotated[int, msgspec.Meta(ge=0)]
+    base_model: str
+
+
 class CheckpointPublished(Event, kw_only=True, tag="checkpoint.published"):
     """The adapter for ``step`` is in the Object Store; replicas load and serve it."""
 

@@ -336,6 +336,7 @@ def permissions(role: str, user: str, *, project: str | None = None) -> Permissi
             subjects.train("completed", "*", "*"),
             subjects.train("failed", "*", "*"),
             subjects.checkpoint("saved", "*", "*"),
+            subjects.checkpoint_staged("*", "*"),
             subjects.control("pause", "*", "*"),
             subjects.control("resume", "*", "*"),
             *_kv_read(models),
@@ -384,8 +385,10 @@ def permissions(role: str, user: str, *, project: str | None = None) -> Permissi
             subjects.control("pause", "*", "*"),
             subjects.control("resume", "*", "*"),
             published,  # followed live (services.inference.checkpoints)
-            # A step as soon as the trainer saved it (read from the trainers' store).
+            # A step as soon as the trainer saved it (read from the trainers' store), and its
+            # adapter fetched ahead while the trainer stores the step's state.
             subjects.checkpoint("saved", "*", "*"),
+            subjects.checkpoint_staged("*", "*"),
             subjects.checkpoint("deleted", "*", "*"),
         ]  # and answers pause and resume on the requester's inbox only
     elif role == "console":

@@ -124,6 +124,12 @@ def checkpoint(kind: str, project: str, model: str) -> str:
     return f"{PREFIX}.ckpt.{kind}.{_pm(project, model)}"
 
 
+def checkpoint_staged(project: str, model: str) -> str:
+    """A step's adapter stored before its state (``CheckpointStaged``): a hint to replicas, on
+    core NATS; outside ``ARTERY_CHECKPOINTS``, whose events are each a durable fact."""
+    return f"{PREFIX}.staged.ckpt.{_pm(project, model)}"
+
+
 def control(action: str, project: str, model: str) -> str:
     """``action`` is ``pause`` or ``resume``; request/reply, no stream."""
     return f"{PREFIX}.control.inference.{_pm(project, model)}.{action}"

@@ -20,6 +20,7 @@ from artery.schemas import (
     CheckpointDeleted,
     CheckpointPublished,
     CheckpointSaved,
+    CheckpointStaged,
     DeadLetter,
     Event,
     FunctionCall,
@@ -164,6 +165,13 @@ EXAMPLES: list[Event] = [
     TrainFailed(**ENVELOPE, request_id="r-1", error="no trainable groups", retriable=False),
     CheckpointSaved(
         **ENVELOPE, uri="file:///ckpt/4", sha256="0" * 64, size_bytes=1024, base_model="Qwen/Qwen3-0.6B"
+    ),
+    CheckpointStaged(
+        **ENVELOPE,
+        uri="nats-object://artery_trainer_state/demo.agent-1/000004/adapter.tar",
+        sha256="0" * 64,
+        size_bytes=1024,
+        base_model="Qwen/Qwen3-0.6B",
     ),
     CheckpointPublished(
         **ENVELOPE,

@@ -15,8 +15,11 @@ import asyncio
 
 import pytest
 
+from artery.schemas import CheckpointStaged
+from artery.schemas.base import new_event_id
 from artery.services.inference.checkpoints import CheckpointWatcher
 from artery.services.publisher.service import object_name
+from artery.services.trainer import announce
 from artery.shared import subjects, trainer_state
 from artery.shared.adapters import put_adapter, sha256_hex
 from artery.shared.bus import publish_event
@@ -138,3 +141,92 @@ async def test_a_published_event_set_aside_for_a_saved_load_that_fails_is_loaded
     step, received = watcher._take_newest()
     assert await watcher._load(step, received.event) is None  # not read from a file
     assert isinstance(watcher._pending[1].event, CheckpointPublished)  # loaded next, from the store
+
+
+# -- fetched ahead: checkpoint.staged ------------------------------------------------------------
+
+
+def staged_event(uri: str, data: bytes, step: int) -> CheckpointStaged:
+    return CheckpointStaged(
+        id=new_event_id(),
+        project=PROJECT,
+        model=MODEL,
+        step=step,
+        uri=uri,
+        sha256=sha256_hex(data),
+        size_bytes=len(data),
+        base_model="artery/tiny-random",
+    )
+
+
+async def stored_as_trainer_does(js, step: int, data: bytes) -> str:
+    """The adapter in the trainer-state store; its URI."""
+    name = trainer_state.object_name(PROJECT, MODEL, step, trainer_state.ADAPTER)
+    await trainer_state.put(js, name, data)
+    return trainer_state.uri(name)
+
+
+async def fetched_ahead(watcher: CheckpointWatcher, step: int):
+    """Once the hint is heard, the fetch ahead's outcome: (sha256, directory), or None."""
+    await until(lambda: step in watcher._prefetches)
+    return await watcher._prefetches[step]
+
+
+async def test_a_staged_adapter_is_fetched_ahead_and_served_only_once_saved(js, tmp_path):
+    engine, announced = RecordingEngine(), []
+    watcher = watcher_for(js, engine, tmp_path, "replica", load_saved=True, announced=announced)
+    _, data = write_adapter(tmp_path / "trainer", 1, size=50_000)
+    uri = await stored_as_trainer_does(js, 1, data)
+    async with following(watcher):
+        await announce.stage(js, staged_event(uri, data, 1))  # as the trainer sends it
+        sha256, directory = await fetched_ahead(watcher, 1)
+        assert sha256 == sha256_hex(data) and (directory / "adapter_model.safetensors").is_file()
+        assert engine.started == [] and announced == []  # a hint serves nothing
+        # Gone from the store: only what was fetched ahead can serve step 1 now.
+        await (await js.object_store(trainer_state.BUCKET)).delete(
+            trainer_state.adapter_object(uri, PROJECT, MODEL, 1)
+        )
+        await publish_event(js, SAVED, saved_event(uri, data, 1))
+        await engine.next_load()
+        assert engine.started == [f"{MODEL}@1"] and announced == [1]
+        assert watcher.loaded == {f"{MODEL}@1": sha256_hex(data)}
+
+
+async def test_a_step_saved_with_other_bytes_than_staged_serves_the_saved_bytes(js, tmp_path):
+    """A request trained again after a crash stages and saves under the same step; what
+    ``checkpoint.saved`` names is what is served."""
+    engine = RecordingEngine()
+    watcher = watcher_for(js, engine, tmp_path, "replica", load_saved=True)
+    _, first = write_adapter(tmp_path / "first", 1, size=50_000)
+    _, second = write_adapter(tmp_path / "second", 1, size=60_000)
+    async with following(watcher):
+        uri = await stored_as_trainer_does(js, 1, first)
+        await announce.stage(js, staged_event(uri, first, 1))
+        assert (await fetched_ahead(watcher, 1))[0] == sha256_hex(first)
+        await stored_as_trainer_does(js, 1, second)
+        await publish_event(js, SAVED, saved_event(uri, second, 1))
+        await engine.next_load()
+        assert watcher.loaded == {f"{MODEL}@1": sha256_hex(second)}
+
+
+async def test_a_fetch_ahead_is_dropped_for_a_newer_step_and_refused_for_another_models_object(js, tmp_path):
+    watcher = watcher_for(js, RecordingEngine(), tmp_path, "replica", load_saved=True)
+    _, one = write_adapter(tmp_path / "one", 1, size=50_000)
+    _, two = write_adapter(tmp_path / "two", 2, size=50_000)
+    async with following(watcher):
+        await announce.stage(js, staged_event(await stored_as_trainer_does(js, 1, one), one, 1))
+        assert await fetched_ahead(watcher, 1) is not None
+        # A hint naming another model's object is never fetched (the URI must be this model's step).
+        other = trainer_state.uri(
+            trainer_state.object_name(PROJECT, "someone-else", 2, trainer_state.ADAPTER)
+        )
+        await announce.stage(js, staged_event(other, two, 2))
+        assert await fetched_ahead(watcher, 2) is None
+        assert 1 not in watcher._prefetches  # training moved past step 1: nothing will load it
+        await nc_publish_garbage(js, subjects.checkpoint_staged(PROJECT, MODEL))
+        await announce.stage(js, staged_event(await stored_as_trainer_does(js, 3, two), two, 3))
+        assert await fetched_ahead(watcher, 3) is not None  # still following after a garbled hint
+
+
+async def nc_publish_garbage(js, subject: str) -> None:
+    await js._nc.publish(subject, b"\x00not an event")

@@ -21,6 +21,7 @@ from nats.js.errors import NotFoundError
 from artery.schemas import (
     CheckpointPublished,
     CheckpointSaved,
+    CheckpointStaged,
     DeadLetter,
     ModelRecord,
     TrainConfig,
@@ -38,7 +39,7 @@ from artery.services.trainer.checkpoints import (
 )
 from artery.services.trainer.policy import Policy
 from artery.services.trainer.settings import TrainerSettings
-from artery.shared import subjects, trainer_state
+from artery.shared import object_store, subjects, trainer_state
 from artery.shared.adapters import get_adapter, pack_adapter, sha256_hex
 from artery.shared.bus import publish_event
 from artery.shared.models import TINY
@@ -122,6 +123,49 @@ async def test_the_publisher_publishes_the_adapter_the_trainer_saved_with_no_dis
     assert json.loads(saved.data)["uri"] == trainer_state.uri(
         trainer_state.object_name(PROJECT, MODEL, 1, trainer_state.ADAPTER)
     )
+
+
+async def test_the_adapter_is_staged_before_the_state_is_stored_and_both_before_saved(nc, js, tmp_path):
+    """The trainer's order for a step: the adapter stored and ``checkpoint.staged`` sent (a replica
+    fetches it ahead), then the optimizer state stored, then ``checkpoint.saved``. The store is
+    read as each announcement is heard."""
+    trainer = host(tmp_path, "trainer")
+    adapter = trainer_state.object_name(PROJECT, MODEL, 1, trainer_state.ADAPTER)
+    state = trainer_state.object_name(PROJECT, MODEL, 1, trainer_state.STATE)
+    heard: list[str] = []  # in the order the announcements arrived
+    events: dict[str, dict] = {}
+    stored: dict[str, bool] = {}
+    both = asyncio.Event()
+
+    def listener(kind: str):
+        async def on(msg) -> None:
+            heard.append(kind)
+            events[kind] = json.loads(msg.data)
+            stored[f"adapter at {kind}"] = (
+                await object_store.object_info(js, trainer_state.BUCKET, adapter) is not None
+            )
+            stored[f"state at {kind}"] = (
+                await object_store.object_info(js, trainer_state.BUCKET, state) is not None
+            )
+            if kind == "saved":
+                both.set()
+
+        return on
+
+    subs = [
+        await nc.subscribe(subjects.checkpoint_staged(PROJECT, MODEL), cb=listener("staged")),
+        await nc.subscribe(subjects.checkpoint("saved", PROJECT, MODEL), cb=listener("saved")),
+    ]
+    await nc.flush()  # both subscriptions are on the server before the step
+    await train_and_announce(js, trainer, PolicyCache(trainer, js))
+    await asyncio.wait_for(both.wait(), 30)
+    assert heard == ["staged", "saved"]
+    # The hint came with the adapter there to fetch; the step was announced with its state stored.
+    assert stored["adapter at staged"] and stored["adapter at saved"] and stored["state at saved"]
+    fields = ("step", "uri", "sha256", "size_bytes")
+    assert {k: events["staged"][k] for k in fields} == {k: events["saved"][k] for k in fields}
+    for sub in subs:
+        await sub.unsubscribe()
 
 
 async def test_a_worker_with_an_empty_disk_resumes_the_model_from_the_store(js, tmp_path):
@@ -325,7 +369,12 @@ async def test_each_role_reaches_the_store_as_its_permissions_say(secured, tmp_p
     data = (step_dir(settings, record(), 1) / ADAPTER_TAR).read_bytes()
     name = trainer_state.object_name(PROJECT, MODEL, 1, trainer_state.ADAPTER)
     trainer = await secured.connect("trainer")
+    replica = await secured.connect("inference")
+    staged = await replica.nc.subscribe(subjects.checkpoint_staged(PROJECT, MODEL))
+    await replica.nc.flush()
     await announce.publish_checkpoint(trainer.js, settings, request(), record(), 1, {})
+    hint = msgspec.json.decode((await staged.next_msg(timeout=10)).data, type=CheckpointStaged)
+    assert (hint.step, hint.sha256) == (1, sha256_hex(data))  # the trainer's hint reaches replicas
     assert await PolicyCache(host(tmp_path, "second"), trainer.js)._from_store(record(), 0, cached=False) == 1
     trainer.clean()
     for role in ("publisher", "inference"):
@@ -336,4 +385,8 @@ async def test_each_role_reaches_the_store_as_its_permissions_say(secured, tmp_p
     agent = await secured.connect(f"agent-{SECURED_PROJECT}")
     stream = f"OBJ_{trainer_state.BUCKET}"
     await agent.denied(f"$JS.API.STREAM.MSG.GET.{stream}", trainer_state.get(agent.js, name))
+    # Nor send replicas a hint, or hear the trainer's.
+    hint_subject = subjects.checkpoint_staged(SECURED_PROJECT, MODEL)
+    await agent.denied(hint_subject, agent.nc.publish(hint_subject, b"{}"))
+    await agent.denied(hint_subject, agent.nc.subscribe(hint_subject), what="Subscription")
     assert await trainer_state.get(trainer.js, name) == data

@@ -37,6 +37,13 @@ and write its store (shared/permissions.py), and the URI must name the event's o
 so no agent can point a replica at another adapter; it is unpacked under the same checks as a
 fetched adapter.
 
+With ``load_saved`` the replica also follows ``checkpoint.staged``: the trainer stores a step's
+adapter before its optimizer state and says so, and the replica fetches and unpacks the adapter
+(under the same checks) while the state is stored. It serves nothing until the step's
+``checkpoint.saved`` (or ``checkpoint.published``) names the same sha256, so a step announced as
+saved is still the only one served, and its load then skips the fetch. A prefetch that fails, or
+whose step is never saved, costs nothing else; only the newest staged step is fetched ahead.
+
 One way per purpose: published steps come from the adapters bucket, saved ones from the
 trainer-state store, never from a file. A file reached only replicas that shared the trainer's
 disk, which trainer workers on other hosts do not; a second path for the same bytes would be a
@@ -72,7 +79,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 from opentelemetry import trace
 
-from artery.schemas import CheckpointDeleted, CheckpointPublished, CheckpointSaved
+from artery.schemas import CheckpointDeleted, CheckpointPublished, CheckpointSaved, CheckpointStaged
 from artery.services.inference.engine.base import Engine
 from artery.services.inference.serving import CheckpointLag
 from artery.shared import subjects, trainer_state
@@ -91,6 +98,7 @@ OnLoaded = Callable[[int, str], Awaitable[None] | None]
 _decoder = EventDecoder(CheckpointPublished)
 _deleted_decoder = EventDecoder(CheckpointDeleted)
 _saved_decoder = EventDecoder(CheckpointSaved)
+_staged_decoder = EventDecoder(CheckpointStaged)
 _tracer = tracer("inference")
 _FIRST_CATCH_UP_ATTEMPTS = 25
 
@@ -144,6 +152,7 @@ class CheckpointWatcher:
         self._published = subjects.checkpoint("published", project, model)
         self._deleted = subjects.checkpoint("deleted", project, model)
         self._saved = subjects.checkpoint("saved", project, model)
+        self._staged = subjects.checkpoint_staged(project, model)
         #: step -> sha256 of the adapter loaded for it.
         self._steps: dict[int, str] = {}
         #: step -> sha256 of the published event dealt with for good (loaded or refused): what a
@@ -161,6 +170,9 @@ class CheckpointWatcher:
         #: step -> its deletion, applied after the next load.
         self._deletions: dict[int, _Received[CheckpointDeleted]] = {}
         self._fetching: tuple[int, asyncio.Task] | None = None
+        #: step -> the fetch ahead of its staged adapter: its sha256 and directory once done (None
+        #: if it failed); taken by the load of that step.
+        self._prefetches: dict[int, asyncio.Task[tuple[str, Path] | None]] = {}
         self._behind_since: float | None = None
         self._wake = asyncio.Event()
         #: Set after each round of the loop: what ``caught_up`` waits on.
@@ -210,6 +222,7 @@ class CheckpointWatcher:
         ]
         if self.load_saved:
             self._subs.append(await nc.subscribe(self._saved, cb=self._on_saved))
+            self._subs.append(await nc.subscribe(self._staged, cb=self._on_staged))
         # After subscribing: an event published in between is read twice, and loaded once.
         await self._first_catch_up()
         self._tasks = [asyncio.create_task(self._run()), asyncio.create_task(self._keep_catching_up())]
@@ -223,9 +236,9 @@ class CheckpointWatcher:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
         self._subs = []
-        for task in self._tasks:
+        for task in [*self._tasks, *self._prefetches.values()]:
             await cancel_and_wait(task)
-        self._tasks = []
+        self._tasks, self._prefetches = [], {}
 
     # -- what arrives ------------------------------------------------------------------------
 
@@ -247,6 +260,20 @@ class CheckpointWatcher:
         self._pending[event.step] = _Received(event, msg.headers)
         self._wake.set()
 
+    async def _on_staged(self, msg) -> None:
+        """A step's adapter stored ahead of its state: fetched and unpacked now, served once saved."""
+        try:
+            event = _staged_decoder.decode(msg.data, (msg.headers or {}).get(CONTENT_TYPE))
+        except InvalidMessage as exc:
+            log.warning("unreadable checkpoint.staged; ignored", error=str(exc))
+            return
+        step = event.step
+        if step is None or step in self._gone or step <= self.served_step or step in self._prefetches:
+            return
+        for older in [s for s in self._prefetches if s < step]:
+            self._drop_prefetch(older)  # training has moved past it
+        self._prefetches[step] = asyncio.create_task(self._prefetch(step, event))
+
     async def _on_deleted(self, msg) -> None:
         try:
             event = _deleted_decoder.decode(msg.data, (msg.headers or {}).get(CONTENT_TYPE))
@@ -258,6 +285,7 @@ class CheckpointWatcher:
         self._gone.add(event.step)
         self._live.discard(event.step)
         self._pending.pop(event.step, None)
+        self._drop_prefetch(event.step)
         self._deletions[event.step] = _Received(event, msg.headers)
         if self._fetching is not None and self._fetching[0] == event.step:
             self._fetching[1].cancel()  # its chunks are being purged: waiting serves nothing
@@ -400,38 +428,84 @@ class CheckpointWatcher:
         if self._steps.get(step) == event.sha256:
             self._settled[step] = event.sha256
             return name  # the same adapter again
-        archive = await self._fetch(step, event.object_name)
-        if archive is None:
-            self._refuse(step, event.sha256)
-            return None
-        try:
-            dest = self.cache_dir / f"step-{step}"
-            path = await asyncio.to_thread(unpack_adapter, archive, dest, event.sha256)
-        except AdapterError as exc:
-            log.error("adapter refused; not loaded", served_name=name, error=str(exc))
-            self._refuse(step, event.sha256)
-            return None
-        if await self._serve(step, name, path, event.sha256):
+        path = await self._take_prefetch(step, event.sha256)
+        source = "staged"
+        if path is None:
+            path, source = await self._fetch_and_unpack(step, name, event), "published"
+            if path is None:
+                self._refuse(step, event.sha256)
+                return None
+        if await self._serve(step, name, path, event.sha256, source=source):
             self._settled[step] = event.sha256
             return name
         return None
 
+    async def _fetch_and_unpack(self, step: int, name: str, event: CheckpointPublished) -> Path | None:
+        archive = await self._fetch(step, event.object_name)
+        if archive is None:
+            return None
+        try:
+            dest = self.cache_dir / f"step-{step}"
+            return await asyncio.to_thread(unpack_adapter, archive, dest, event.sha256)
+        except AdapterError as exc:
+            log.error("adapter refused; not loaded", served_name=name, error=str(exc))
+            return None
+
     async def _load_saved(self, step: int, name: str, event: CheckpointSaved) -> str | None:
         """The trainer's archive from its store; None (the published event follows) when unreadable."""
-        try:
-            stored = trainer_state.adapter_object(event.uri, self.project, self.model, step)
-            data = await trainer_state.get(self.js, stored, sha256=event.sha256, size=event.size_bytes)
-            dest = self.cache_dir / f"step-{step}"
-            path = await asyncio.to_thread(unpack_adapter, data, dest, event.sha256)
-        except (InvalidMessage, DependencyUnavailable, OSError, AdapterError) as exc:
-            log.info("saved adapter not loadable here; waiting for it published", step=step, error=str(exc))
-            self._published_instead(step)
-            return None
-        if await self._serve(step, name, path, event.sha256, source="saved"):
+        path = await self._take_prefetch(step, event.sha256)
+        source = "staged"
+        if path is None:
+            source = "saved"
+            try:
+                stored = trainer_state.adapter_object(event.uri, self.project, self.model, step)
+                data = await trainer_state.get(self.js, stored, sha256=event.sha256, size=event.size_bytes)
+                dest = self.cache_dir / f"step-{step}"
+                path = await asyncio.to_thread(unpack_adapter, data, dest, event.sha256)
+            except (InvalidMessage, DependencyUnavailable, OSError, AdapterError) as exc:
+                log.info(
+                    "saved adapter not loadable here; waiting for it published", step=step, error=str(exc)
+                )
+                self._published_instead(step)
+                return None
+        if await self._serve(step, name, path, event.sha256, source=source):
             self._published_aside = {s: r for s, r in self._published_aside.items() if s > step}
             return name
         self._published_instead(step)
         return None
+
+    async def _prefetch(self, step: int, event: CheckpointStaged) -> tuple[str, Path] | None:
+        """A staged adapter fetched and unpacked, not served: its sha256 and directory, or None
+        (its load fetches it as if it had not been staged)."""
+        try:
+            stored = trainer_state.adapter_object(event.uri, self.project, self.model, step)
+            data = await trainer_state.get(self.js, stored, sha256=event.sha256, size=event.size_bytes)
+            path = await asyncio.to_thread(
+                unpack_adapter, data, self.cache_dir / f"step-{step}", event.sha256
+            )
+        except Exception as exc:  # a hint's failure is never the load's: that fetches as before
+            log.info("staged adapter not fetched ahead; fetched when saved", step=step, error=str(exc))
+            return None
+        return event.sha256, path
+
+    async def _take_prefetch(self, step: int, sha256: str) -> Path | None:
+        """The directory fetched ahead for ``step`` if it holds ``sha256`` (waiting for a fetch
+        still under way: it has a head start on any fetch begun now); None otherwise."""
+        task = self._prefetches.pop(step, None)
+        if task is None:
+            return None
+        fetched = await task
+        if fetched is None or fetched[0] != sha256:
+            return None  # the step was trained again into other bytes: fetched as announced
+        return fetched[1]
+
+    def _drop_prefetch(self, step: int) -> None:
+        """Forget a fetch ahead that nothing will load (a newer step staged, or this one deleted).
+        A fetch cancelled while it unpacks may leave its directory, which a later load of that
+        step replaces as a whole."""
+        task = self._prefetches.pop(step, None)
+        if task is not None:
+            task.cancel()
 
     def _published_instead(self, step: int) -> None:
         """The saved load failed: the published event set aside for it (if it came) goes back in

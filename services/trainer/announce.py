@@ -19,12 +19,20 @@ import msgspec
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
-from artery.schemas import CheckpointSaved, ModelRecord, TrainCompleted, TrainFailed, TrainRequest
+from artery.schemas import (
+    CheckpointSaved,
+    CheckpointStaged,
+    ModelRecord,
+    TrainCompleted,
+    TrainFailed,
+    TrainRequest,
+)
 from artery.services.trainer import checkpoints
 from artery.services.trainer.settings import TrainerSettings
 from artery.shared import subjects, trainer_state
 from artery.shared.adapters import sha256_hex
-from artery.shared.bus import derived_id, publish_event
+from artery.shared.bus import derived_id, event_headers, publish_event
+from artery.shared.codec import encode
 from artery.shared.errors import DependencyUnavailable
 from artery.shared.logs import get_logger
 from artery.shared.metrics import PAUSE_SECONDS, STEP_SECONDS, TRAINER_TOKENS, TRAINER_TOKENS_PER_SECOND
@@ -66,19 +74,38 @@ async def publish_checkpoint(
     """Upload the saved step (its adapter and its state) to the trainer-state store and announce
     ``checkpoint.saved`` naming the adapter there (the publisher stores and announces it). A
     redelivered request uploads the same bytes again, which the store finds already there. The
-    model's older steps are pruned later (``prune_stored_steps``), once the step is answered."""
+    model's older steps are pruned later (``prune_stored_steps``), once the step is answered.
+
+    The adapter goes first, and ``checkpoint.staged`` says so: replicas fetch and unpack it while
+    the state (twice the adapter's size, for AdamW's two moments) is packed and stored, and serve
+    it as soon as ``checkpoint.saved`` follows."""
     if record.base_model is None:  # never: the trainer refuses such a record before a step
         raise ValueError(f"a record of project {record.project} has no base model")
     project, model = request.project, request.model
-    adapter, state = await asyncio.to_thread(_step_archives, settings, record, step)
+    directory = checkpoints.step_dir(settings, record, step)
+    adapter = await asyncio.to_thread((directory / checkpoints.ADAPTER_TAR).read_bytes)
     name = trainer_state.object_name(project, model, step, trainer_state.ADAPTER)
-    sha256 = sha256_hex(adapter)  # hashed once: for the store and for the announcement
+    sha256 = sha256_hex(adapter)  # hashed once: for the store and for the announcements
+    await trainer_state.put(js, name, adapter, sha256=sha256)
+    base_model, uri, size = record.base_model, trainer_state.uri(name), len(adapter)
+    del adapter
+    await stage(
+        js,
+        CheckpointStaged(
+            id=request_event_id("staged", request),
+            project=project,
+            model=model,
+            step=step,
+            uri=uri,
+            sha256=sha256,
+            size_bytes=size,
+            base_model=base_model,
+        ),
+    )
     # Both stored before the announcement: a worker resuming this model after a crash finds the
     # state of every step announced (a step trained again would be announced under the same id).
-    await asyncio.gather(
-        trainer_state.put(js, trainer_state.object_name(project, model, step, trainer_state.STATE), state),
-        trainer_state.put(js, name, adapter, sha256=sha256),
-    )
+    state = await asyncio.to_thread(checkpoints.pack_state, directory)
+    await trainer_state.put(js, trainer_state.object_name(project, model, step, trainer_state.STATE), state)
     del state
     await publish_event(
         js,
@@ -88,19 +115,23 @@ async def publish_checkpoint(
             project=project,
             model=model,
             step=step,
-            uri=trainer_state.uri(name),
+            uri=uri,
             sha256=sha256,
-            size_bytes=len(adapter),
-            base_model=record.base_model,
+            size_bytes=size,
+            base_model=base_model,
             metrics=finite(metrics),
         ),
     )
 
 
-def _step_archives(settings: TrainerSettings, record: ModelRecord, step: int) -> tuple[bytes, bytes]:
-    """The step's packed adapter (as saved) and its state archive."""
-    directory = checkpoints.step_dir(settings, record, step)
-    return (directory / checkpoints.ADAPTER_TAR).read_bytes(), checkpoints.pack_state(directory)
+async def stage(js: JetStreamContext, staged: CheckpointStaged) -> None:
+    """Publish the hint on core NATS, not waiting for anyone: a hint that does not go out costs
+    the replicas their head start, never the step."""
+    try:
+        subject = subjects.checkpoint_staged(staged.project, staged.model)
+        await js._nc.publish(subject, encode(staged), headers=event_headers(staged))
+    except Exception as exc:
+        log.warning("checkpoint.staged not sent; replicas fetch on checkpoint.saved", error=repr(exc))
 
 
 async def prune_stored_steps(js: JetStreamContext, project: str, model: str, newest: int) -> None:
