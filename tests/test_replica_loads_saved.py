@@ -15,7 +15,7 @@ import asyncio
 
 import pytest
 
-from artery.schemas import CheckpointStaged
+from artery.schemas import CheckpointDeleted, CheckpointStaged
 from artery.schemas.base import new_event_id
 from artery.services.inference.checkpoints import CheckpointWatcher
 from artery.services.publisher.service import object_name
@@ -222,10 +222,25 @@ async def test_a_fetch_ahead_is_dropped_for_a_newer_step_and_refused_for_another
         )
         await announce.stage(js, staged_event(other, two, 2))
         assert await fetched_ahead(watcher, 2) is None
-        assert 1 not in watcher._prefetches  # training moved past step 1: nothing will load it
+        # Training moved past step 1: nothing will load it, and what it unpacked is removed.
+        assert 1 not in watcher._prefetches
+        await watcher._on_disk(lambda: None)  # the cache's thread has done what was asked before
+        assert not watcher._step_dir(1).exists()
         await nc_publish_garbage(js, subjects.checkpoint_staged(PROJECT, MODEL))
         await announce.stage(js, staged_event(await stored_as_trainer_does(js, 3, two), two, 3))
         assert await fetched_ahead(watcher, 3) is not None  # still following after a garbled hint
+        # A step deleted before it is saved: its fetch ahead goes too.
+        deleted = CheckpointDeleted(
+            id=new_event_id(),
+            project=PROJECT,
+            model=MODEL,
+            step=3,
+            object_name=object_name(PROJECT, MODEL, 3),
+        )
+        await publish_event(js, subjects.checkpoint("deleted", PROJECT, MODEL), deleted)
+        await until(lambda: 3 not in watcher._prefetches)
+        await watcher._on_disk(lambda: None)
+        assert not watcher._step_dir(3).exists()
 
 
 async def nc_publish_garbage(js, subject: str) -> None:

@@ -69,7 +69,9 @@ import inspect
 import shutil
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Generic, TypeVar
 
@@ -106,6 +108,7 @@ _FIRST_CATCH_UP_ATTEMPTS = 25
 #: A checkpoint event the watcher acts on: one to load (published, or saved by the trainer), or
 #: a deletion.
 _Event = TypeVar("_Event", CheckpointPublished, CheckpointSaved, CheckpointDeleted, covariant=True)
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -173,6 +176,10 @@ class CheckpointWatcher:
         #: step -> the fetch ahead of its staged adapter: its sha256 and directory once done (None
         #: if it failed); taken by the load of that step.
         self._prefetches: dict[int, asyncio.Task[tuple[str, Path] | None]] = {}
+        self._cache_thread: ThreadPoolExecutor | None = None
+        #: The step the loop is loading now: never fetched ahead meanwhile, which would replace
+        #: its directory under the engine.
+        self._loading: int | None = None
         self._behind_since: float | None = None
         self._wake = asyncio.Event()
         #: Set after each round of the loop: what ``caught_up`` waits on.
@@ -239,6 +246,9 @@ class CheckpointWatcher:
         for task in [*self._tasks, *self._prefetches.values()]:
             await cancel_and_wait(task)
         self._tasks, self._prefetches = [], {}
+        if self._cache_thread is not None:
+            self._cache_thread.shutdown(wait=False)  # what was asked of it still runs
+            self._cache_thread = None
 
     # -- what arrives ------------------------------------------------------------------------
 
@@ -269,6 +279,8 @@ class CheckpointWatcher:
             return
         step = event.step
         if step is None or step in self._gone or step <= self.served_step or step in self._prefetches:
+            return
+        if step == self._loading:  # a step trained again, staged while its first bytes load
             return
         for older in [s for s in self._prefetches if s < step]:
             self._drop_prefetch(older)  # training has moved past it
@@ -358,7 +370,13 @@ class CheckpointWatcher:
             if self._pending:
                 step, received = self._take_newest()
                 if not self._loaded_already(step, received.event):
-                    await self._handle(received, "inference.load_adapter", self._load(step, received.event))
+                    self._loading = step
+                    try:
+                        await self._handle(
+                            received, "inference.load_adapter", self._load(step, received.event)
+                        )
+                    finally:
+                        self._loading = None
             deletions, self._deletions = self._deletions, {}
             for step, deletion in sorted(deletions.items()):
                 await self._handle(deletion, "inference.unload_adapter", self._unload(step, deletion.event))
@@ -445,8 +463,8 @@ class CheckpointWatcher:
         if archive is None:
             return None
         try:
-            dest = self.cache_dir / f"step-{step}"
-            return await asyncio.to_thread(unpack_adapter, archive, dest, event.sha256)
+            dest = self._step_dir(step)
+            return await self._on_disk(unpack_adapter, archive, dest, event.sha256)
         except AdapterError as exc:
             log.error("adapter refused; not loaded", served_name=name, error=str(exc))
             return None
@@ -460,8 +478,8 @@ class CheckpointWatcher:
             try:
                 stored = trainer_state.adapter_object(event.uri, self.project, self.model, step)
                 data = await trainer_state.get(self.js, stored, sha256=event.sha256, size=event.size_bytes)
-                dest = self.cache_dir / f"step-{step}"
-                path = await asyncio.to_thread(unpack_adapter, data, dest, event.sha256)
+                dest = self._step_dir(step)
+                path = await self._on_disk(unpack_adapter, data, dest, event.sha256)
             except (InvalidMessage, DependencyUnavailable, OSError, AdapterError) as exc:
                 log.info(
                     "saved adapter not loadable here; waiting for it published", step=step, error=str(exc)
@@ -480,9 +498,7 @@ class CheckpointWatcher:
         try:
             stored = trainer_state.adapter_object(event.uri, self.project, self.model, step)
             data = await trainer_state.get(self.js, stored, sha256=event.sha256, size=event.size_bytes)
-            path = await asyncio.to_thread(
-                unpack_adapter, data, self.cache_dir / f"step-{step}", event.sha256
-            )
+            path = await self._on_disk(unpack_adapter, data, self._step_dir(step), event.sha256)
         except Exception as exc:  # a hint's failure is never the load's: that fetches as before
             log.info("staged adapter not fetched ahead; fetched when saved", step=step, error=str(exc))
             return None
@@ -500,12 +516,28 @@ class CheckpointWatcher:
         return fetched[1]
 
     def _drop_prefetch(self, step: int) -> None:
-        """Forget a fetch ahead that nothing will load (a newer step staged, or this one deleted).
-        A fetch cancelled while it unpacks may leave its directory, which a later load of that
-        step replaces as a whole."""
+        """Forget a fetch ahead that nothing will load (a newer step staged, or this one deleted),
+        and remove what it unpacked: after it, on the cache's thread (``_on_disk``)."""
         task = self._prefetches.pop(step, None)
         if task is not None:
             task.cancel()
+            self._disk().submit(shutil.rmtree, self._step_dir(step), True)
+
+    def _step_dir(self, step: int) -> Path:
+        """Where a step's adapter is unpacked, and read by the engine while it is served."""
+        return self.cache_dir / f"step-{step}"
+
+    def _disk(self) -> ThreadPoolExecutor:
+        if self._cache_thread is None:
+            self._cache_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adapter-cache")
+        return self._cache_thread
+
+    async def _on_disk(self, fn: Callable[..., _T], *args: object) -> _T:
+        """Run a change to the adapter cache on its one thread, in the order asked. A fetch ahead
+        cancelled while it unpacks goes on writing its step's directory (a thread cannot be
+        cancelled); a load or removal of that step asked after it must come after it, not beside
+        it in another thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._disk(), partial(fn, *args))
 
     def _published_instead(self, step: int) -> None:
         """The saved load failed: the published event set aside for it (if it came) goes back in
@@ -519,7 +551,7 @@ class CheckpointWatcher:
         """Hand an unpacked adapter to the engine under ``name`` and announce it."""
         if step in self._gone:  # deleted while it was unpacked
             log.info("adapter deleted before it was loaded; skipped", served_name=name)
-            await asyncio.to_thread(shutil.rmtree, path, True)
+            await self._on_disk(shutil.rmtree, path, True)
             return False
         if step in self._steps:  # a step re-published with other bytes: replace what is served
             with contextlib.suppress(Exception):
@@ -545,7 +577,7 @@ class CheckpointWatcher:
             return None
         await self.engine.unload_adapter(name)
         del self._steps[step]
-        await asyncio.to_thread(shutil.rmtree, self.cache_dir / f"step-{step}", True)
+        await self._on_disk(shutil.rmtree, self._step_dir(step), True)
         log.info("adapter unloaded", served_name=name, reason=event.reason)
         return name
 
