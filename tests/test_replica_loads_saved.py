@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
 
 from artery.schemas import CheckpointDeleted, CheckpointStaged
@@ -147,16 +148,10 @@ async def test_a_published_event_set_aside_for_a_saved_load_that_fails_is_loaded
 
 
 def staged_event(uri: str, data: bytes, step: int) -> CheckpointStaged:
-    return CheckpointStaged(
-        id=new_event_id(),
-        project=PROJECT,
-        model=MODEL,
-        step=step,
-        uri=uri,
-        sha256=sha256_hex(data),
-        size_bytes=len(data),
-        base_model="artery/tiny-random",
-    )
+    """The trainer's hint ahead of the ``checkpoint.saved`` that ``saved_event`` makes."""
+    fields = msgspec.structs.asdict(saved_event(uri, data, step))
+    del fields["metrics"]
+    return CheckpointStaged(**fields)
 
 
 async def stored_as_trainer_does(js, step: int, data: bytes) -> str:

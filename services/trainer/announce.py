@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import math
 import uuid
+from typing import Any
 
 import msgspec
 from nats.js import JetStreamContext
@@ -87,41 +88,25 @@ async def publish_checkpoint(
     name = trainer_state.object_name(project, model, step, trainer_state.ADAPTER)
     sha256 = sha256_hex(adapter)  # hashed once: for the store and for the announcements
     await trainer_state.put(js, name, adapter, sha256=sha256)
-    base_model, uri, size = record.base_model, trainer_state.uri(name), len(adapter)
+    # What both announcements say of the adapter; the hint comes first, while the state is stored.
+    adapter_fields: dict[str, Any] = {
+        "project": project,
+        "model": model,
+        "step": step,
+        "uri": trainer_state.uri(name),
+        "sha256": sha256,
+        "size_bytes": len(adapter),
+        "base_model": record.base_model,
+    }
     del adapter
-    await stage(
-        js,
-        CheckpointStaged(
-            id=request_event_id("staged", request),
-            project=project,
-            model=model,
-            step=step,
-            uri=uri,
-            sha256=sha256,
-            size_bytes=size,
-            base_model=base_model,
-        ),
-    )
+    await stage(js, CheckpointStaged(id=request_event_id("staged", request), **adapter_fields))
     # Both stored before the announcement: a worker resuming this model after a crash finds the
     # state of every step announced (a step trained again would be announced under the same id).
     state = await asyncio.to_thread(checkpoints.pack_state, directory)
     await trainer_state.put(js, trainer_state.object_name(project, model, step, trainer_state.STATE), state)
     del state
-    await publish_event(
-        js,
-        subjects.checkpoint("saved", project, model),
-        CheckpointSaved(
-            id=request_event_id("saved", request),
-            project=project,
-            model=model,
-            step=step,
-            uri=uri,
-            sha256=sha256,
-            size_bytes=size,
-            base_model=base_model,
-            metrics=finite(metrics),
-        ),
-    )
+    saved = CheckpointSaved(id=request_event_id("saved", request), metrics=finite(metrics), **adapter_fields)
+    await publish_event(js, subjects.checkpoint("saved", project, model), saved)
 
 
 async def stage(js: JetStreamContext, staged: CheckpointStaged) -> None:
