@@ -459,6 +459,7 @@ class CheckpointWatcher:
         return None
 
     async def _fetch_and_unpack(self, step: int, name: str, event: CheckpointPublished) -> Path | None:
+        """A published adapter from the adapters bucket, unpacked; None when gone or refused."""
         archive = await self._fetch(step, event.object_name)
         if archive is None:
             return None
@@ -476,10 +477,7 @@ class CheckpointWatcher:
         if path is None:
             source = "saved"
             try:
-                stored = trainer_state.adapter_object(event.uri, self.project, self.model, step)
-                data = await trainer_state.get(self.js, stored, sha256=event.sha256, size=event.size_bytes)
-                dest = self._step_dir(step)
-                path = await self._on_disk(unpack_adapter, data, dest, event.sha256)
+                path = await self._from_trainer_store(step, event)
             except (InvalidMessage, DependencyUnavailable, OSError, AdapterError) as exc:
                 log.info(
                     "saved adapter not loadable here; waiting for it published", step=step, error=str(exc)
@@ -496,13 +494,18 @@ class CheckpointWatcher:
         """A staged adapter fetched and unpacked, not served: its sha256 and directory, or None
         (its load fetches it as if it had not been staged)."""
         try:
-            stored = trainer_state.adapter_object(event.uri, self.project, self.model, step)
-            data = await trainer_state.get(self.js, stored, sha256=event.sha256, size=event.size_bytes)
-            path = await self._on_disk(unpack_adapter, data, self._step_dir(step), event.sha256)
+            path = await self._from_trainer_store(step, event)
         except Exception as exc:  # a hint's failure is never the load's: that fetches as before
             log.info("staged adapter not fetched ahead; fetched when saved", step=step, error=str(exc))
             return None
         return event.sha256, path
+
+    async def _from_trainer_store(self, step: int, event: CheckpointSaved | CheckpointStaged) -> Path:
+        """The adapter ``event`` names in the trainer-state store (only this model's step is
+        read), checked against its sha256 and size and unpacked; raises what the reads raise."""
+        stored = trainer_state.adapter_object(event.uri, self.project, self.model, step)
+        data = await trainer_state.get(self.js, stored, sha256=event.sha256, size=event.size_bytes)
+        return await self._on_disk(unpack_adapter, data, self._step_dir(step), event.sha256)
 
     async def _take_prefetch(self, step: int, sha256: str) -> Path | None:
         """The directory fetched ahead for ``step`` if it holds ``sha256`` (waiting for a fetch
