@@ -319,20 +319,20 @@ async def test_trainer_waits_out_postgres_and_trains_each_request_once(
     torch.set_num_threads(1)
     outage = Outage(pg_server)
     trained: list[int] = []
-    real_train_step, real_save_step = Policy.train_step, checkpoints.save_step
+    real_train_step, real_snapshot_step = Policy.train_step, checkpoints.snapshot_step
 
     def counting_train_step(self, groups, *args, **kwargs):
         trained.append(len(groups))
         return real_train_step(self, groups, *args, **kwargs)
 
     def save_then_maybe_lose_postgres(*args, **kwargs):
-        path = real_save_step(*args, **kwargs)
+        files = real_snapshot_step(*args, **kwargs)
         if outage.began is None:
             outage.begin()  # (in the trainer's worker thread)
-        return path
+        return files
 
     monkeypatch.setattr(Policy, "train_step", counting_train_step)
-    monkeypatch.setattr(checkpoints, "save_step", save_then_maybe_lose_postgres)
+    monkeypatch.setattr(checkpoints, "snapshot_step", save_then_maybe_lose_postgres)
 
     await register_trainable(js, PROJECT, MODEL, TINY)
     kv = await js.key_value(subjects.MODELS_BUCKET)

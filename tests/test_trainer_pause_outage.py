@@ -79,13 +79,13 @@ async def test_a_step_cancelled_while_replicas_resume_ends_after_its_save(
     resuming = asyncio.Event()
     may_save = threading.Event()
     order: list[str] = []
-    real_save_step = checkpoints.save_step
+    real_snapshot_step = checkpoints.snapshot_step
 
     def save_when_allowed(*args, **kwargs):
         may_save.wait(60)
-        path = real_save_step(*args, **kwargs)
+        files = real_snapshot_step(*args, **kwargs)
         order.append("saved")
-        return path
+        return files
 
     @contextlib.asynccontextmanager
     async def resume_that_hangs(self, request):
@@ -93,7 +93,7 @@ async def test_a_step_cancelled_while_replicas_resume_ends_after_its_save(
         resuming.set()
         await asyncio.Event().wait()  # the resume request never answered
 
-    monkeypatch.setattr(checkpoints, "save_step", save_when_allowed)
+    monkeypatch.setattr(checkpoints, "snapshot_step", save_when_allowed)
     monkeypatch.setattr(Trainer, "_hold_inference", resume_that_hangs)
     await register_trainable(js, PROJECT, MODEL, TINY)
     groups = [text_group(seed) for seed in range(2)]

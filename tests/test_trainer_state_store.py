@@ -81,8 +81,17 @@ async def train_and_announce(
     assert result.trained
     await asyncio.to_thread(save_step, settings, record(), policy, step + 1, asked.id, result.metrics)
     cache.advance(record(), step + 1)
-    await announce.publish_checkpoint(js, settings, asked, record(), step + 1, result.metrics)
+    await publish_from_disk(js, settings, asked, record(), step + 1, result.metrics)
     return policy, step + 1, asked
+
+
+async def publish_from_disk(
+    js, settings: TrainerSettings, asked: TrainRequested, rec: ModelRecord, step: int, metrics: dict
+) -> None:
+    """``announce.publish_checkpoint`` of a step directory, as the trainer publishes a step it
+    finds saved (a request redelivered after a crash)."""
+    files = await asyncio.to_thread(checkpoints.StepFiles.read, step_dir(settings, rec, step))
+    await announce.publish_checkpoint(js, asked, rec, step, metrics, files)
 
 
 def adapter_weights(policy: Policy) -> dict[str, torch.Tensor]:
@@ -223,12 +232,12 @@ async def test_the_store_keeps_only_the_newest_steps_of_a_model(js, tmp_path):
     last = announce.KEEP_ADAPTER_STEPS + 2
     for step in range(1, last + 1):
         fake_step(settings, step)
-        await announce.publish_checkpoint(js, settings, request(), record(), step, {})
+        await publish_from_disk(js, settings, request(), record(), step, {})
         await announce.prune_stored_steps(js, PROJECT, MODEL, step)
         if step == 2:  # a redelivered request uploads the same bytes again: nothing is replaced
             name = trainer_state.object_name(PROJECT, MODEL, 2, trainer_state.STATE)
             before = await trainer_state.info(js, name)
-            await announce.publish_checkpoint(js, settings, request(), record(), step, {})
+            await publish_from_disk(js, settings, request(), record(), step, {})
             after = await trainer_state.info(js, name)
             assert before is not None and after is not None and before.nuid == after.nuid
     states = list(range(last - announce.KEEP_STATE_STEPS + 1, last + 1))
@@ -259,7 +268,7 @@ async def test_a_step_this_worker_never_uploaded_gives_way_to_the_one_stored(js,
     here, there = host(tmp_path, "here"), host(tmp_path, "there")
     fake_step(here, 1, fill=7)
     fake_step(there, 1, fill=9)
-    await announce.publish_checkpoint(js, there, request(), record(), 1, {})
+    await publish_from_disk(js, there, request(), record(), 1, {})
     assert await PolicyCache(here, js)._from_store(record(), 1, cached=False) == 1
     mine, stored = (step_dir(s, record(), 1) for s in (here, there))
     assert (mine / ADAPTER_TAR).read_bytes() == (stored / ADAPTER_TAR).read_bytes()
@@ -315,7 +324,7 @@ async def test_a_replica_loads_a_saved_step_from_the_store_before_it_is_publishe
     engine = RecordingEngine()
     replica = watcher_for(js, engine, tmp_path / "replica-host", "replica", load_saved=True)
     async with following(replica):
-        await announce.publish_checkpoint(js, settings, request(), record(), 1, {})
+        await publish_from_disk(js, settings, request(), record(), 1, {})
         await engine.next_load()  # no publisher runs: the adapter came from the trainer's store
     data = (step_dir(settings, record(), 1) / ADAPTER_TAR).read_bytes()
     assert engine.started == [f"{MODEL}@1"] and replica.loaded == {f"{MODEL}@1": sha256_hex(data)}
@@ -372,7 +381,7 @@ async def test_each_role_reaches_the_store_as_its_permissions_say(secured, tmp_p
     replica = await secured.connect("inference")
     staged = await replica.nc.subscribe(subjects.checkpoint_staged(PROJECT, MODEL))
     await replica.nc.flush()
-    await announce.publish_checkpoint(trainer.js, settings, request(), record(), 1, {})
+    await publish_from_disk(trainer.js, settings, request(), record(), 1, {})
     hint = msgspec.json.decode((await staged.next_msg(timeout=10)).data, type=CheckpointStaged)
     assert (hint.step, hint.sha256) == (1, sha256_hex(data))  # the trainer's hint reaches replicas
     assert await PolicyCache(host(tmp_path, "second"), trainer.js)._from_store(record(), 0, cached=False) == 1

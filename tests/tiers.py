@@ -46,6 +46,8 @@ TIER_OF_MODULE: dict[str, str] = {
     "test_sequences.py": "unit",
     "test_tiny_model.py": "unit",
     "test_trainer_policy.py": "unit",
+    "test_adapter_files.py": "unit",
+    "test_tensor_bytes.py": "unit",
     "test_lora_slots.py": "unit",
     "test_adapter_users.py": "unit",
     "test_sampler_mismatch.py": "unit",

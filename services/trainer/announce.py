@@ -29,7 +29,6 @@ from artery.schemas import (
     TrainRequest,
 )
 from artery.services.trainer import checkpoints
-from artery.services.trainer.settings import TrainerSettings
 from artery.shared import subjects, trainer_state
 from artery.shared.adapters import sha256_hex
 from artery.shared.bus import derived_id, event_headers, publish_event
@@ -66,11 +65,11 @@ def finite(metrics: dict) -> dict[str, float]:
 
 async def publish_checkpoint(
     js: JetStreamContext,
-    settings: TrainerSettings,
     request: TrainRequest,
     record: ModelRecord,
     step: int,
     metrics: dict,
+    files: checkpoints.StepFiles,
 ) -> None:
     """Upload the saved step (its adapter and its state) to the trainer-state store and announce
     ``checkpoint.saved`` naming the adapter there (the publisher stores and announces it). A
@@ -83,10 +82,9 @@ async def publish_checkpoint(
     if record.base_model is None:  # never: the trainer refuses such a record before a step
         raise ValueError(f"a record of project {record.project} has no base model")
     project, model = request.project, request.model
-    directory = checkpoints.step_dir(settings, record, step)
-    adapter = await asyncio.to_thread((directory / checkpoints.ADAPTER_TAR).read_bytes)
+    adapter = files.adapter_tar
     name = trainer_state.object_name(project, model, step, trainer_state.ADAPTER)
-    sha256 = sha256_hex(adapter)  # hashed once: for the store and for the announcements
+    sha256 = await asyncio.to_thread(sha256_hex, adapter)  # once: for the store and the announcements
     await trainer_state.put(js, name, adapter, sha256=sha256)
     # What both announcements say of the adapter; the hint comes first, while the state is stored.
     adapter_fields: dict[str, Any] = {
@@ -98,11 +96,10 @@ async def publish_checkpoint(
         "size_bytes": len(adapter),
         "base_model": record.base_model,
     }
-    del adapter
     await stage(js, CheckpointStaged(id=request_event_id("staged", request), **adapter_fields))
     # Both stored before the announcement: a worker resuming this model after a crash finds the
     # state of every step announced (a step trained again would be announced under the same id).
-    state = await asyncio.to_thread(checkpoints.pack_state, directory)
+    state = await asyncio.to_thread(files.state_tar)
     await trainer_state.put(js, trainer_state.object_name(project, model, step, trainer_state.STATE), state)
     del state
     saved = CheckpointSaved(id=request_event_id("saved", request), metrics=finite(metrics), **adapter_fields)

@@ -21,6 +21,7 @@ import json
 import shutil
 import tarfile
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 import msgspec
@@ -28,7 +29,14 @@ from nats.js import JetStreamContext
 
 from artery.schemas import ModelRecord
 from artery.services.trainer.lora import warm_start_lora
-from artery.services.trainer.policy import ADAPTER_DIR, TRAINER_STATE, LoraSettings, OptimSettings, Policy
+from artery.services.trainer.policy import (
+    ADAPTER_DIR,
+    TRAINER_STATE,
+    LoraSettings,
+    OptimSettings,
+    Policy,
+    write_files,
+)
 from artery.services.trainer.settings import TrainerSettings
 from artery.services.trainer.slots import LoraSlots
 from artery.shared import trainer_state
@@ -117,37 +125,70 @@ def optim_settings(settings: TrainerSettings) -> OptimSettings:
     return OptimSettings(micro_batch_size=settings.micro_batch_size)
 
 
+@dataclass(frozen=True)
+class StepFiles:
+    """A step's checkpoint as bytes: ``adapter`` (the files of ``adapter/``) and ``state`` (the
+    trainer's files, ``step.json`` included), each a list of (name, bytes) sorted by name.
+
+    A step is made in memory first (``snapshot_step``): it goes to the trainer-state store from
+    there, while ``write`` puts it on disk, so neither waits for the other."""
+
+    adapter: list[tuple[str, bytes]]
+    state: list[tuple[str, bytes]]
+    #: What inference loads: ``pack_adapter`` of ``adapter/``, the same bytes.
+    adapter_tar: bytes
+
+    @classmethod
+    def of(cls, adapter: list[tuple[str, bytes]], state: list[tuple[str, bytes]]) -> StepFiles:
+        return cls(adapter=adapter, state=state, adapter_tar=pack_files(adapter))
+
+    def state_tar(self) -> bytes:
+        """The step as ``unpack_state`` takes it (``adapter.tar`` left out: it is rebuilt), the
+        same bytes for the same files (sorted, owners and times zeroed): a repeated upload is
+        recognised as the object already stored."""
+        return pack_files([*self.state, *((f"{ADAPTER_DIR}/{name}", data) for name, data in self.adapter)])
+
+    def write(self, final: Path) -> Path:
+        """The step directory ``final``, replaced as a whole (``write_files``)."""
+        adapter = [(f"{ADAPTER_DIR}/{name}", data) for name, data in self.adapter]
+        return write_files(final, [*adapter, *self.state, (ADAPTER_TAR, self.adapter_tar)])
+
+    @classmethod
+    def read(cls, directory: Path) -> StepFiles:
+        """A step directory's files; ``ModelUnusable`` for anything but a step's regular files."""
+        state = [p for p in sorted(directory.iterdir()) if p.name not in (ADAPTER_TAR, ADAPTER_DIR)]
+        adapter = sorted((directory / ADAPTER_DIR).iterdir())
+        for path in (*state, *adapter):
+            name = path.relative_to(directory).as_posix()
+            if path.is_symlink() or not path.is_file():
+                raise ModelUnusable(f"{directory}: {name!r} is not a regular file; a step holds files only")
+            _check_state_member(name)
+        return cls.of(
+            adapter=[(path.name, path.read_bytes()) for path in adapter],
+            state=[(path.name, path.read_bytes()) for path in state],
+        )
+
+
+def snapshot_step(policy: Policy, step: int, request_id: str, metrics: dict) -> StepFiles:
+    """The step ``policy`` has just taken, as files in memory (``step.json``: the request that
+    produced it, and its metrics)."""
+    record = json.dumps({"step": step, "request_id": request_id, "metrics": metrics}, default=float)
+    return StepFiles.of(
+        adapter=policy.adapter_files(),
+        state=sorted([*policy.state_files(), (STEP_FILE, record.encode())]),
+    )
+
+
 def save_step(
     settings: TrainerSettings, record: ModelRecord, policy: Policy, step: int, request_id: str, metrics: dict
 ) -> Path:
-    final = step_dir(settings, record, step)
-    partial = final.with_name(final.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    policy.save(partial)
-    (partial / ADAPTER_TAR).write_bytes(pack_adapter(partial / "adapter"))
-    (partial / STEP_FILE).write_text(
-        json.dumps({"step": step, "request_id": request_id, "metrics": metrics}, default=float)
-    )
-    shutil.rmtree(final, ignore_errors=True)
-    partial.rename(final)
-    return final
+    """``snapshot_step``, written into the step's directory."""
+    return snapshot_step(policy, step, request_id, metrics).write(step_dir(settings, record, step))
 
 
 def pack_state(directory: Path) -> bytes:
-    """A step directory as a tar (``adapter.tar`` left out: ``unpack_state`` rebuilds it), the
-    same bytes for the same files (sorted, owners and times zeroed): a repeated upload is
-    recognised as the object already stored."""
-    files = [p for p in sorted(directory.iterdir()) if p.name != ADAPTER_TAR and p.name != ADAPTER_DIR]
-    files += sorted((directory / ADAPTER_DIR).iterdir())
-    members = []
-    for path in files:
-        name = path.relative_to(directory).as_posix()
-        if path.is_symlink() or not path.is_file():
-            raise ModelUnusable(f"{directory}: {name!r} is not a regular file; a step holds files only")
-        _check_state_member(name)
-        members.append((name, path.read_bytes()))
-    return pack_files(members)
+    """A step directory's ``StepFiles.state_tar``."""
+    return StepFiles.read(directory).state_tar()
 
 
 def _check_state_member(name: str) -> None:

@@ -39,15 +39,16 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from artery.schemas import TrainConfig, TrainSFTConfig, Trajectory
+from artery.services.trainer.adapter_files import AdapterFiles
 from artery.services.trainer.budgets import ModelShape, StepBudget
 from artery.services.trainer.logprobs import next_token_logprobs, token_logprobs
 from artery.services.trainer.lora import (
@@ -90,6 +91,7 @@ from artery.services.trainer.step import (
     sft_loss,
     trained_tokens,
 )
+from artery.services.trainer.tensor_bytes import safetensors_bytes
 
 #: Re-exported: where callers (tests, benchmarks) have always found them.
 __all__ = [
@@ -178,6 +180,7 @@ class Policy:
         self.named_trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not self.named_trainable:
             raise ValueError("the adapter has no trainable parameters (do the target modules exist?)")
+        self._adapter_files = AdapterFiles(self._save_adapter, self._peft_state, self.named_trainable)
         self.optimizer = torch.optim.AdamW(
             [p for _, p in self.named_trainable],
             lr=0.0,  # set from each request
@@ -623,20 +626,22 @@ class Policy:
     def save(self, directory: str | os.PathLike) -> Path:
         """Write the checkpoint (see the module docstring). The files are written into a temporary
         sibling directory which then replaces ``directory``: a crash leaves the old one or the new."""
-        directory = Path(directory)
-        directory.parent.mkdir(parents=True, exist_ok=True)
-        partial = directory.parent / f".{directory.name}.partial-{uuid.uuid4().hex[:8]}"
-        try:
-            self._save_adapter(partial / ADAPTER_DIR)
-            tensors, structure = flatten_optimizer_state(self.optimizer.state_dict(), self._param_names())
-            save_file(tensors, partial / OPTIMIZER_TENSORS)
-            _write_json(partial / OPTIMIZER_JSON, structure)
-            save_file(rng_state(), partial / RNG_TENSORS)
-            _write_json(partial / TRAINER_STATE, self._trainer_state())
-            _replace_dir(partial, directory)
-        finally:
-            shutil.rmtree(partial, ignore_errors=True)
-        return directory
+        adapter = [(f"{ADAPTER_DIR}/{name}", data) for name, data in self.adapter_files()]
+        return write_files(directory, [*adapter, *self.state_files()])
+
+    def adapter_files(self) -> list[tuple[str, bytes]]:
+        """The adapter's files (name, bytes) as ``save`` writes them into ``adapter/``."""
+        return self._adapter_files.files()
+
+    def state_files(self) -> list[tuple[str, bytes]]:
+        """The rest of the checkpoint (name, bytes): the optimizer and RNG state, the trainer state."""
+        tensors, structure = flatten_optimizer_state(self.optimizer.state_dict(), self._param_names())
+        return [
+            (OPTIMIZER_TENSORS, safetensors_bytes(tensors)),
+            (OPTIMIZER_JSON, _json_bytes(structure)),
+            (RNG_TENSORS, safetensors_bytes(rng_state())),
+            (TRAINER_STATE, _json_bytes(self._trainer_state())),
+        ]
 
     def _save_adapter(self, target: Path) -> None:
         # The frozen base lm_head would be saved too when lm_head is a target ("embedding layers
@@ -653,6 +658,14 @@ class Policy:
             for path in (target / self.adapter_name).iterdir():
                 path.rename(target / path.name)
             (target / self.adapter_name).rmdir()
+
+    def _peft_state(self) -> dict[str, torch.Tensor]:
+        """The adapter's tensors under the keys PEFT saves them as (``_save_adapter``'s file)."""
+        from peft import get_peft_model_state_dict
+
+        return get_peft_model_state_dict(
+            self.model, adapter_name=self.adapter_name, save_embedding_layers=False
+        )
 
     def _param_names(self) -> list[str]:
         """The trainable parameters' names as a policy of its own has them (adapter ``default``):
@@ -750,8 +763,26 @@ def cuda_devices(device: torch.device) -> list[int]:
     return [device.index if device.index is not None else torch.cuda.current_device()]
 
 
-def _write_json(path: Path, data: Any) -> None:
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+def _json_bytes(data: Any) -> bytes:
+    return (json.dumps(data, indent=2, sort_keys=True) + "\n").encode()
+
+
+def write_files(directory: str | os.PathLike, files: Iterable[tuple[str, bytes]]) -> Path:
+    """``files`` (relative name, bytes) as ``directory``, replaced as a whole: they are written into
+    a temporary sibling which is then renamed into place, so a crash leaves the old or the new."""
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    partial = directory.parent / f".{directory.name}.partial-{uuid.uuid4().hex[:8]}"
+    try:
+        for name, data in files:
+            path = partial / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+        partial.mkdir(exist_ok=True)  # no files: an empty directory
+        _replace_dir(partial, directory)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return directory
 
 
 @contextlib.contextmanager

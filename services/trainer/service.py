@@ -450,8 +450,12 @@ class Trainer(ConsumingService):
             return held is not None and held.lost
 
         already = checkpoints.step_for_request(self.settings, record, request.id)
+        writing: asyncio.Future | None = None  # the step directory, written beside the announcing
         if already is not None:  # crashed after saving, before recording: publish what was saved
             new_step, metrics = already
+            files = await asyncio.to_thread(
+                checkpoints.StepFiles.read, checkpoints.step_dir(self.settings, record, new_step)
+            )
         else:
             # Tokenized and measured before inference is paused: a refusal never pauses it.
             prepared = await self._refusing(self._prepare(policy, step, request, record, groups))
@@ -473,27 +477,21 @@ class Trainer(ConsumingService):
                     new_step = step + 1
                     await self._confirm(held)  # a step of a model this worker lost is never saved
                     save_started = time.monotonic()
-                    save = functools.partial(
-                        checkpoints.save_step,
-                        self.settings,
-                        record,
-                        policy,
-                        new_step,
-                        request.id,
-                        result.metrics,
+                    snapshot = functools.partial(
+                        checkpoints.snapshot_step, policy, new_step, request.id, result.metrics
                     )
-                    saving = asyncio.ensure_future(asyncio.to_thread(save))
+                    saving = asyncio.ensure_future(asyncio.to_thread(snapshot))
                     replicas_paused = len(lease.outcome.acked) if lease is not None else 0
             except BaseException:
                 # The block's exit failed or the step was cancelled while the replicas resumed: the
-                # save runs in a thread, which cannot be stopped, so it ends before the error goes
-                # on (a retry never saves the same step beside it) and its failure is not lost.
+                # snapshot runs in a thread, which cannot be stopped, so it ends before the error
+                # goes on (a retry never reads the policy beside it) and its failure is not lost.
                 if saving is not None and (failure := await settled(saving)) is not None:
                     log.warning("saving the step failed", step=step + 1, error=repr(failure))
                 raise
-            # Written while the replicas resume (the block's exit): they serve the step before
-            # this one until this one is announced, and writing files needs no accelerator.
-            await saving
+            # Taken while the replicas resume (the block's exit): they serve the step before this
+            # one until this one is announced, and copying tensors needs no accelerator.
+            files = await saving
             metrics = {
                 **result.metrics,
                 **extra,
@@ -503,8 +501,27 @@ class Trainer(ConsumingService):
                 "replicas_paused": float(replicas_paused),
             }
             self.policies.advance(record, new_step)
-        await self._confirm(held)  # nor announced
-        await announce.publish_checkpoint(self.js, self.settings, request, record, new_step, metrics)
+        try:
+            await self._confirm(held)  # nor announced
+            await announce.publish_checkpoint(self.js, request, record, new_step, metrics, files)
+            if already is None:
+                # The disk is this worker's cache, written once the step is in the store (what
+                # every worker shares, and what a redelivered request finds if this worker dies
+                # before its disk has the step) and off the way to the step being served: the
+                # uploads before it and the answer after it do not share the memory with it.
+                final = checkpoints.step_dir(self.settings, record, new_step)
+                writing = asyncio.ensure_future(asyncio.to_thread(files.write, final))
+            return await self._answer(request, record, new_step, metrics, started)
+        finally:
+            # On disk before the step returns: the model's next step resumes from there.
+            if writing is not None and (failure := await settled(writing)) is not None:
+                self.policies.forget(record)  # resumed from the store instead
+                log.warning("writing the step to disk failed", step=new_step, error=repr(failure))
+
+    async def _answer(
+        self, request: TrainRequest, record: ModelRecord, new_step: int, metrics: dict, started: float
+    ) -> TrainCompleted:
+        """The stored step recorded, the registry advanced, ``train.completed`` sent."""
         async with self.db.connection() as conn:
             await record_step(
                 conn,
