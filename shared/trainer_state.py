@@ -3,9 +3,9 @@ trainer's host, in place of a disk shared between services.
 
 Two objects per step in ``artery_trainer_state``, under ``<project>.<model>/<step:06d>/`` (the
 model's key, ``subjects.model_key``): ``adapter.tar`` (the packed adapter, what the publisher and
-a replica with ``load_saved_adapters`` read) and ``state.tar`` (the step as a trainer worker
-resumes it: adapter, optimizer and RNG state, the step's record). ``checkpoint.saved`` names the
-adapter as ``nats-object://artery_trainer_state/<object name>``.
+a replica with ``load_saved_adapters`` read) and ``state.tar`` (what else a trainer worker resumes
+the step from: optimizer and RNG state, the step's record, and the digest of its adapter).
+``checkpoint.saved`` names the adapter as ``nats-object://artery_trainer_state/<object name>``.
 
 A reader trusts such a URI only as far as the event it came in: the bucket must be this one and
 the object the event's own project, model and step (``adapter_object``), so that no event can

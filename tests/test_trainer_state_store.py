@@ -40,8 +40,9 @@ from artery.services.trainer.checkpoints import (
 from artery.services.trainer.policy import Policy
 from artery.services.trainer.settings import TrainerSettings
 from artery.shared import object_store, subjects, trainer_state
-from artery.shared.adapters import get_adapter, pack_adapter, sha256_hex
+from artery.shared.adapters import get_adapter, pack_adapter, pack_files, sha256_hex
 from artery.shared.bus import publish_event
+from artery.shared.errors import DependencyUnavailable
 from artery.shared.models import TINY
 from tests.helpers import wait_for
 from tests.test_publisher import messages_on, settled
@@ -223,6 +224,66 @@ async def stored_steps(js, kind: str, upto: int) -> list[int]:
         for s in range(1, upto + 1)
         if await trainer_state.info(js, trainer_state.object_name(PROJECT, MODEL, s, kind))
     ]
+
+
+def test_a_step_in_memory_is_the_step_on_disk_and_the_one_restored(tmp_path):
+    """What the trainer uploads (``StepFiles``) is what it writes, and the state archive with the
+    adapter stored beside it unpacks to the same directory (the adapter is stored once)."""
+    policy = Policy.create(TINY)
+    files = checkpoints.snapshot_step(policy, 1, "r1", {"loss": 0.5})
+    written = files.write(tmp_path / "written")
+    assert checkpoints.StepFiles.read(written) == files
+    assert (written / ADAPTER_TAR).read_bytes() == pack_adapter(written / "adapter") == files.adapter_tar
+    state = files.state_tar(sha256_hex(files.adapter_tar))
+    assert not any(name.startswith("adapter/") for name, _ in checkpoints._read_members(state, "state"))
+    assert checkpoints.adapter_digest(state) == (sha256_hex(files.adapter_tar), len(files.adapter_tar))
+    restored = checkpoints.unpack_state(state, tmp_path / "restored", files.adapter_tar)
+    assert checkpoints.StepFiles.read(restored) == files
+    assert Policy.restore(restored, TINY).step == policy.step
+
+
+def test_a_state_archive_restores_only_with_the_adapter_it_names(tmp_path):
+    files = checkpoints.snapshot_step(Policy.create(TINY), 1, "r1", {})
+    state = files.state_tar(sha256_hex(files.adapter_tar))
+    with pytest.raises(checkpoints.ModelUnusable, match="none was given"):
+        checkpoints.unpack_state(state, tmp_path / "000001")
+    # An archive that holds adapter/ and names an adapter too is neither kind: refused.
+    both = pack_files([*checkpoints._read_members(state, "state"), ("adapter/adapter_config.json", b"{}")])
+    with pytest.raises(checkpoints.ModelUnusable, match="names another adapter"):
+        checkpoints.unpack_state(both, tmp_path / "000001", files.adapter_tar)
+    garbled = pack_files(
+        [
+            (n, b'{"sha256": 1}' if n == checkpoints.ADAPTER_DIGEST else d)
+            for n, d in checkpoints._read_members(state, "state")
+        ]
+    )
+    with pytest.raises(checkpoints.ModelUnusable, match="not valid"):
+        checkpoints.adapter_digest(garbled)
+    assert not (tmp_path / "000001").exists()
+
+
+async def test_a_state_stored_beside_another_adapter_than_it_names_is_not_resumed(js, tmp_path):
+    """The step's adapter object was replaced after its state was stored (a step trained again
+    and stored halfway): resuming refuses the pair and asks again later, the disk untouched."""
+    first_host = host(tmp_path, "first")
+    await train_and_announce(js, first_host, PolicyCache(first_host, js))
+    name = trainer_state.object_name(PROJECT, MODEL, 1, trainer_state.ADAPTER)
+    files = checkpoints.snapshot_step(Policy.create(TINY, seed=5), 1, "other", {})
+    await trainer_state.put(js, name, files.adapter_tar)
+    second_host = host(tmp_path, "second")
+    with pytest.raises(DependencyUnavailable, match="sha256"):
+        await PolicyCache(second_host, js).get(record())
+    assert not step_dir(second_host, record(), 1).exists()
+
+
+async def test_a_state_stored_before_the_adapter_was_stored_once_still_restores(js, tmp_path):
+    """A state archive of before holds ``adapter/`` itself, and names no adapter."""
+    files = checkpoints.snapshot_step(Policy.create(TINY), 1, "r1", {})
+    old = pack_files([*files.state, *((f"adapter/{n}", d) for n, d in files.adapter)])
+    await trainer_state.put(js, trainer_state.object_name(PROJECT, MODEL, 1, trainer_state.STATE), old)
+    settings = host(tmp_path, "worker")
+    assert await PolicyCache(settings, js)._from_store(record(), 0, cached=False) == 1
+    assert checkpoints.StepFiles.read(step_dir(settings, record(), 1)) == files
 
 
 async def test_the_store_keeps_only_the_newest_steps_of_a_model(js, tmp_path):

@@ -44,11 +44,13 @@ _IDS = uuid.UUID("5b2d8f0e-6a1c-4f4e-9d55-747261696e21")
 #: Steps of a model whose state stays in the trainer-state store: the newest is what any worker
 #: resumes from; the two before it cover a step saved but never recorded (a crash in between).
 KEEP_STATE_STEPS = 3
-#: Steps of a model whose adapter stays there: the publisher reads each one from the store, and a
+#: Steps of a model whose adapter stays there (at least those whose state does: a state names its
+#: adapter, stored beside it): the publisher reads each one from the store, and a
 #: publisher that was away while more steps than this were trained finds the older ones gone
 #: (dead-lettered, ``not_found``; the newest is published). ``train()`` waits until each step is
 #: served, so in practice the publisher is a step behind at most.
 KEEP_ADAPTER_STEPS = 10
+assert KEEP_ADAPTER_STEPS >= KEEP_STATE_STEPS
 
 
 def request_event_id(kind: str, request: TrainRequest) -> str:
@@ -78,7 +80,8 @@ async def publish_checkpoint(
 
     The adapter goes first, and ``checkpoint.staged`` says so: replicas fetch and unpack it while
     the state (twice the adapter's size, for AdamW's two moments) is packed and stored, and serve
-    it as soon as ``checkpoint.saved`` follows."""
+    it as soon as ``checkpoint.saved`` follows. The state names the adapter by its digest instead
+    of holding it: a step's adapter is uploaded once."""
     if record.base_model is None:  # never: the trainer refuses such a record before a step
         raise ValueError(f"a record of project {record.project} has no base model")
     project, model = request.project, request.model
@@ -99,7 +102,7 @@ async def publish_checkpoint(
     await stage(js, CheckpointStaged(id=request_event_id("staged", request), **adapter_fields))
     # Both stored before the announcement: a worker resuming this model after a crash finds the
     # state of every step announced (a step trained again would be announced under the same id).
-    state = await asyncio.to_thread(files.state_tar)
+    state = await asyncio.to_thread(files.state_tar, sha256)
     await trainer_state.put(js, trainer_state.object_name(project, model, step, trainer_state.STATE), state)
     del state
     saved = CheckpointSaved(id=request_event_id("saved", request), metrics=finite(metrics), **adapter_fields)

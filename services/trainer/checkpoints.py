@@ -7,10 +7,12 @@ metrics). A step directory is written under a temporary name and renamed into pl
 leaves either the whole step or nothing.
 
 The disk is this worker's cache; the trainer-state store (``shared.trainer_state``) is what every
-worker shares. Each saved step goes there as ``adapter.tar`` and ``state.tar`` (the step directory
-but ``adapter.tar``, which is rebuilt from ``adapter/``), and ``PolicyCache.get`` resumes a model
-from the newest step anywhere: a worker with an empty (or stale) disk takes the step another worker
-saved, optimizer state and ``step.json`` included, so a redelivered request is recognised there too.
+worker shares. Each saved step goes there as ``adapter.tar`` and ``state.tar`` (the step's other
+files, and the digest of its adapter in place of ``adapter/``: the adapter is stored once), and
+``PolicyCache.get`` resumes a model from the newest step anywhere: a worker with an empty (or
+stale) disk takes the step another worker saved, optimizer state and ``step.json`` included, so a
+redelivered request is recognised there too. A state archive of before holds ``adapter/`` itself,
+and restores as it did.
 """
 
 from __future__ import annotations
@@ -18,9 +20,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
-import shutil
 import tarfile
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -40,7 +40,7 @@ from artery.services.trainer.policy import (
 from artery.services.trainer.settings import TrainerSettings
 from artery.services.trainer.slots import LoraSlots
 from artery.shared import trainer_state
-from artery.shared.adapters import AdapterError, check_member_name, pack_adapter, pack_files
+from artery.shared.adapters import AdapterError, check_member_name, pack_files
 from artery.shared.errors import DependencyUnavailable, InvalidMessage
 from artery.shared.logs import get_logger
 from artery.shared.object_store import nats_digest
@@ -51,6 +51,9 @@ ADAPTER_TAR = "adapter.tar"
 #: What a step's state archive may hold beside ``adapter/``: the trainer's own data formats
 #: (safetensors and JSON, never pickle).
 STATE_SUFFIXES = frozenset({".json", ".safetensors"})
+#: In a state archive, in place of ``adapter/``: the sha256 and size of the step's ``adapter.tar``,
+#: stored beside it; resuming reads that adapter and checks it is this one.
+ADAPTER_DIGEST = "adapter_digest.json"
 
 
 def model_dir(settings: TrainerSettings, record: ModelRecord) -> Path:
@@ -142,11 +145,13 @@ class StepFiles:
     def of(cls, adapter: list[tuple[str, bytes]], state: list[tuple[str, bytes]]) -> StepFiles:
         return cls(adapter=adapter, state=state, adapter_tar=pack_files(adapter))
 
-    def state_tar(self) -> bytes:
-        """The step as ``unpack_state`` takes it (``adapter.tar`` left out: it is rebuilt), the
-        same bytes for the same files (sorted, owners and times zeroed): a repeated upload is
-        recognised as the object already stored."""
-        return pack_files([*self.state, *((f"{ADAPTER_DIR}/{name}", data) for name, data in self.adapter)])
+    def state_tar(self, adapter_sha256: str) -> bytes:
+        """The step as the store keeps it beside ``adapter_tar`` (whose sha256 is given):
+        ``unpack_state`` takes the two. The same bytes for the same files (sorted, owners and
+        times zeroed): a repeated upload is recognised as the object already stored."""
+        digest = {"sha256": adapter_sha256, "size_bytes": len(self.adapter_tar)}
+        state = [(name, data) for name, data in self.state if name != ADAPTER_DIGEST]
+        return pack_files(sorted([*state, (ADAPTER_DIGEST, json.dumps(digest, sort_keys=True).encode())]))
 
     def write(self, final: Path) -> Path:
         """The step directory ``final``, replaced as a whole (``write_files``)."""
@@ -186,11 +191,6 @@ def save_step(
     return snapshot_step(policy, step, request_id, metrics).write(step_dir(settings, record, step))
 
 
-def pack_state(directory: Path) -> bytes:
-    """A step directory's ``StepFiles.state_tar``."""
-    return StepFiles.read(directory).state_tar()
-
-
 def _check_state_member(name: str) -> None:
     """A step's file: ``adapter/<adapter file>`` or a trainer file at the top; nothing else (no
     directory, no ``..``, no absolute path, no pickle), so unpacking writes inside the step only."""
@@ -206,41 +206,65 @@ def _check_state_member(name: str) -> None:
         raise ModelUnusable(f"{name!r}: not a file of a trainer's step")
 
 
-def unpack_state(data: bytes, final: Path) -> Path:
-    """A step's state archive as the step directory ``final`` (replaced as a whole, ``adapter.tar``
-    rebuilt); every member is checked before anything is written, and the files land in a
-    temporary sibling that is renamed into place, so ``final`` never holds half a step."""
+def adapter_digest(data: bytes) -> tuple[str, int] | None:
+    """The sha256 and size of the adapter a state archive names (``ADAPTER_DIGEST``); None for an
+    archive that holds ``adapter/`` itself (written before the adapter was stored once)."""
+    members = dict(_read_members(data, "the step's state"))
+    if ADAPTER_DIGEST not in members:
+        return None
+    try:
+        digest = json.loads(members[ADAPTER_DIGEST])
+        sha256, size = digest["sha256"], digest["size_bytes"]
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ModelUnusable(f"the step's {ADAPTER_DIGEST} is not valid: {exc!r}") from exc
+    if not (isinstance(sha256, str) and len(sha256) == 64 and isinstance(size, int) and size >= 0):
+        raise ModelUnusable(f"the step's {ADAPTER_DIGEST} is not valid: {digest!r}")
+    return sha256, size
+
+
+def unpack_state(data: bytes, final: Path, adapter: bytes | None = None) -> Path:
+    """A step's state archive, with the ``adapter`` (``adapter.tar``) it names, as the step
+    directory ``final`` (replaced as a whole, ``write_files``); every member is checked before
+    anything is written, so ``final`` never holds half a step. An archive that holds ``adapter/``
+    itself needs no ``adapter``."""
+    state = _read_members(data, "the step's state")
+    for name, _ in state:
+        _check_state_member(name)
+    files = [(name, content) for name, content in state if name != ADAPTER_DIGEST]
+    holds_adapter = any(name.startswith(f"{ADAPTER_DIR}/") for name, _ in state)
+    if holds_adapter and (adapter is not None or len(files) < len(state)):
+        raise ModelUnusable(f"the step's state holds {ADAPTER_DIR}/ and names another adapter")
+    if not holds_adapter:
+        if adapter is None:
+            raise ModelUnusable("the step's state names its adapter, and none was given")
+        members = _read_members(adapter, "the step's adapter")
+        for name, _ in members:
+            _check_state_member(f"{ADAPTER_DIR}/{name}")
+        files += [(f"{ADAPTER_DIR}/{name}", content) for name, content in members]
+    names = [name for name, _ in files]
+    if len(set(names)) != len(names):
+        raise ModelUnusable("a file appears twice in the step's state")
+    for needed in (STEP_FILE, TRAINER_STATE, f"{ADAPTER_DIR}/adapter_config.json"):
+        if needed not in names:
+            raise ModelUnusable(f"the step's state has no {needed}")
+    if adapter is None:  # an archive of before: the adapter is packed from its files
+        adapter = pack_files(sorted((name.split("/", 1)[1], data) for name, data in files if "/" in name))
+    return write_files(final, [*files, (ADAPTER_TAR, adapter)])
+
+
+def _read_members(data: bytes, what: str) -> list[tuple[str, bytes]]:
+    """A tar's members (name, content); ``ModelUnusable`` for anything but regular files."""
     try:
         with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
-            members = tar.getmembers()
-            names = [m.name for m in members]
-            for member in members:
-                if not member.isreg():
-                    raise ModelUnusable(f"{member.name!r}: only regular files may be in a step's state")
-                _check_state_member(member.name)
-            if len(set(names)) != len(names):
-                raise ModelUnusable("a file appears twice in the step's state")
-            for needed in (STEP_FILE, TRAINER_STATE, f"{ADAPTER_DIR}/adapter_config.json"):
-                if needed not in names:
-                    raise ModelUnusable(f"the step's state has no {needed}")
-            final.parent.mkdir(parents=True, exist_ok=True)
-            staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.restore-", dir=final.parent))
-            try:
-                (staging / ADAPTER_DIR).mkdir()
-                for member in members:
-                    source = tar.extractfile(member)
-                    if source is None:  # never for a regular file
-                        raise ModelUnusable(f"{member.name!r} has no data")
-                    staging.joinpath(*PurePosixPath(member.name).parts).write_bytes(source.read())
-                (staging / ADAPTER_TAR).write_bytes(pack_adapter(staging / ADAPTER_DIR))
-                shutil.rmtree(final, ignore_errors=True)
-                staging.rename(final)
-            except BaseException:
-                shutil.rmtree(staging, ignore_errors=True)
-                raise
-    except (tarfile.TarError, AdapterError) as exc:
-        raise ModelUnusable(f"the step's state is not a valid archive: {exc}") from exc
-    return final
+            members = []
+            for member in tar.getmembers():
+                source = tar.extractfile(member) if member.isreg() else None
+                if source is None:
+                    raise ModelUnusable(f"{member.name!r}: only regular files may be in {what}")
+                members.append((member.name, source.read()))
+            return members
+    except tarfile.TarError as exc:
+        raise ModelUnusable(f"{what} is not a valid archive: {exc}") from exc
 
 
 class ModelUnusable(ValueError):
@@ -325,9 +349,15 @@ class PolicyCache:
                 return on_disk
             name = trainer_state.object_name(project, model, newest, trainer_state.STATE)
             data = await trainer_state.get(self.js, name)
+            digest = await asyncio.to_thread(adapter_digest, data)
+            adapter = None
+            if digest is not None:  # stored beside the state, and checked to be the one it names
+                sha256, size = digest
+                name = trainer_state.object_name(project, model, newest, trainer_state.ADAPTER)
+                adapter = await trainer_state.get(self.js, name, sha256=sha256, size=size)
         except InvalidMessage as exc:  # the store's trouble, never the request's: asked again later
             raise DependencyUnavailable(f"{project}/{model} step state unreadable: {exc}") from exc
-        await asyncio.to_thread(unpack_state, data, step_dir(self.settings, record, newest))
+        await asyncio.to_thread(unpack_state, data, step_dir(self.settings, record, newest), adapter)
         log.info(
             "step taken from the trainer-state store",
             project=project,
