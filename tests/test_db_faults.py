@@ -309,7 +309,7 @@ async def test_trainer_waits_out_postgres_and_trains_each_request_once(
     row, one ``checkpoint.saved`` and one ``train.completed``, whatever order they ran in."""
     import torch
 
-    from artery.services.trainer import checkpoints
+    from artery.services.trainer import step_files
     from artery.services.trainer.policy import Policy
     from artery.services.trainer.service import Trainer
     from artery.services.trainer.settings import TrainerSettings
@@ -319,7 +319,7 @@ async def test_trainer_waits_out_postgres_and_trains_each_request_once(
     torch.set_num_threads(1)
     outage = Outage(pg_server)
     trained: list[int] = []
-    real_train_step, real_snapshot_step = Policy.train_step, checkpoints.snapshot_step
+    real_train_step, real_snapshot_step = Policy.train_step, step_files.snapshot_step
 
     def counting_train_step(self, groups, *args, **kwargs):
         trained.append(len(groups))
@@ -332,7 +332,7 @@ async def test_trainer_waits_out_postgres_and_trains_each_request_once(
         return files
 
     monkeypatch.setattr(Policy, "train_step", counting_train_step)
-    monkeypatch.setattr(checkpoints, "snapshot_step", save_then_maybe_lose_postgres)
+    monkeypatch.setattr(step_files, "snapshot_step", save_then_maybe_lose_postgres)
 
     await register_trainable(js, PROJECT, MODEL, TINY)
     kv = await js.key_value(subjects.MODELS_BUCKET)

@@ -74,12 +74,12 @@ async def test_a_step_cancelled_while_replicas_resume_ends_after_its_save(
     """The save runs in a thread while the replicas resume. Cancelled there (the service
     stopping), the step used to end at once and leave the save running unobserved beside whatever
     came next; now it waits for the save to end, then the cancellation goes on."""
-    from artery.services.trainer import checkpoints
+    from artery.services.trainer import step_files
 
     resuming = asyncio.Event()
     may_save = threading.Event()
     order: list[str] = []
-    real_snapshot_step = checkpoints.snapshot_step
+    real_snapshot_step = step_files.snapshot_step
 
     def save_when_allowed(*args, **kwargs):
         may_save.wait(60)
@@ -93,7 +93,7 @@ async def test_a_step_cancelled_while_replicas_resume_ends_after_its_save(
         resuming.set()
         await asyncio.Event().wait()  # the resume request never answered
 
-    monkeypatch.setattr(checkpoints, "snapshot_step", save_when_allowed)
+    monkeypatch.setattr(step_files, "snapshot_step", save_when_allowed)
     monkeypatch.setattr(Trainer, "_hold_inference", resume_that_hangs)
     await register_trainable(js, PROJECT, MODEL, TINY)
     groups = [text_group(seed) for seed in range(2)]

@@ -29,7 +29,7 @@ from artery.schemas import (
     new_event_id,
 )
 from artery.services.publisher.service import object_name
-from artery.services.trainer import announce, checkpoints
+from artery.services.trainer import announce, checkpoints, step_files
 from artery.services.trainer.checkpoints import (
     ADAPTER_TAR,
     PolicyCache,
@@ -91,7 +91,7 @@ async def publish_from_disk(
 ) -> None:
     """``announce.publish_checkpoint`` of a step directory, as the trainer publishes a step it
     finds saved (a request redelivered after a crash)."""
-    files = await asyncio.to_thread(checkpoints.StepFiles.read, step_dir(settings, rec, step))
+    files = await asyncio.to_thread(step_files.StepFiles.read, step_dir(settings, rec, step))
     await announce.publish_checkpoint(js, asked, rec, step, metrics, files)
 
 
@@ -230,35 +230,35 @@ def test_a_step_in_memory_is_the_step_on_disk_and_the_one_restored(tmp_path):
     """What the trainer uploads (``StepFiles``) is what it writes, and the state archive with the
     adapter stored beside it unpacks to the same directory (the adapter is stored once)."""
     policy = Policy.create(TINY)
-    files = checkpoints.snapshot_step(policy, 1, "r1", {"loss": 0.5})
+    files = step_files.snapshot_step(policy, 1, "r1", {"loss": 0.5})
     written = files.write(tmp_path / "written")
-    assert checkpoints.StepFiles.read(written) == files
+    assert step_files.StepFiles.read(written) == files
     assert (written / ADAPTER_TAR).read_bytes() == pack_adapter(written / "adapter") == files.adapter_tar
     state = files.state_tar(sha256_hex(files.adapter_tar))
-    assert not any(name.startswith("adapter/") for name, _ in checkpoints._read_members(state, "state"))
-    assert checkpoints.adapter_digest(state) == (sha256_hex(files.adapter_tar), len(files.adapter_tar))
-    restored = checkpoints.unpack_state(state, tmp_path / "restored", files.adapter_tar)
-    assert checkpoints.StepFiles.read(restored) == files
+    assert not any(name.startswith("adapter/") for name, _ in step_files._read_members(state, "state"))
+    assert step_files.adapter_digest(state) == (sha256_hex(files.adapter_tar), len(files.adapter_tar))
+    restored = step_files.unpack_state(state, tmp_path / "restored", files.adapter_tar)
+    assert step_files.StepFiles.read(restored) == files
     assert Policy.restore(restored, TINY).step == policy.step
 
 
 def test_a_state_archive_restores_only_with_the_adapter_it_names(tmp_path):
-    files = checkpoints.snapshot_step(Policy.create(TINY), 1, "r1", {})
+    files = step_files.snapshot_step(Policy.create(TINY), 1, "r1", {})
     state = files.state_tar(sha256_hex(files.adapter_tar))
     with pytest.raises(checkpoints.ModelUnusable, match="none was given"):
-        checkpoints.unpack_state(state, tmp_path / "000001")
+        step_files.unpack_state(state, tmp_path / "000001")
     # An archive that holds adapter/ and names an adapter too is neither kind: refused.
-    both = pack_files([*checkpoints._read_members(state, "state"), ("adapter/adapter_config.json", b"{}")])
+    both = pack_files([*step_files._read_members(state, "state"), ("adapter/adapter_config.json", b"{}")])
     with pytest.raises(checkpoints.ModelUnusable, match="names another adapter"):
-        checkpoints.unpack_state(both, tmp_path / "000001", files.adapter_tar)
+        step_files.unpack_state(both, tmp_path / "000001", files.adapter_tar)
     garbled = pack_files(
         [
-            (n, b'{"sha256": 1}' if n == checkpoints.ADAPTER_DIGEST else d)
-            for n, d in checkpoints._read_members(state, "state")
+            (n, b'{"sha256": 1}' if n == step_files.ADAPTER_DIGEST else d)
+            for n, d in step_files._read_members(state, "state")
         ]
     )
     with pytest.raises(checkpoints.ModelUnusable, match="not valid"):
-        checkpoints.adapter_digest(garbled)
+        step_files.adapter_digest(garbled)
     assert not (tmp_path / "000001").exists()
 
 
@@ -268,7 +268,7 @@ async def test_a_state_stored_beside_another_adapter_than_it_names_is_not_resume
     first_host = host(tmp_path, "first")
     await train_and_announce(js, first_host, PolicyCache(first_host, js))
     name = trainer_state.object_name(PROJECT, MODEL, 1, trainer_state.ADAPTER)
-    files = checkpoints.snapshot_step(Policy.create(TINY, seed=5), 1, "other", {})
+    files = step_files.snapshot_step(Policy.create(TINY, seed=5), 1, "other", {})
     await trainer_state.put(js, name, files.adapter_tar)
     second_host = host(tmp_path, "second")
     with pytest.raises(DependencyUnavailable, match="sha256"):
@@ -278,12 +278,12 @@ async def test_a_state_stored_beside_another_adapter_than_it_names_is_not_resume
 
 async def test_a_state_stored_before_the_adapter_was_stored_once_still_restores(js, tmp_path):
     """A state archive of before holds ``adapter/`` itself, and names no adapter."""
-    files = checkpoints.snapshot_step(Policy.create(TINY), 1, "r1", {})
+    files = step_files.snapshot_step(Policy.create(TINY), 1, "r1", {})
     old = pack_files([*files.state, *((f"adapter/{n}", d) for n, d in files.adapter)])
     await trainer_state.put(js, trainer_state.object_name(PROJECT, MODEL, 1, trainer_state.STATE), old)
     settings = host(tmp_path, "worker")
     assert await PolicyCache(settings, js)._from_store(record(), 0, cached=False) == 1
-    assert checkpoints.StepFiles.read(step_dir(settings, record(), 1)) == files
+    assert step_files.StepFiles.read(step_dir(settings, record(), 1)) == files
 
 
 async def test_the_store_keeps_only_the_newest_steps_of_a_model(js, tmp_path):
@@ -424,9 +424,9 @@ def test_a_state_archive_cannot_write_outside_its_step(tmp_path):
         "adapter/w.bin",
     ):
         with pytest.raises(checkpoints.ModelUnusable):
-            checkpoints.unpack_state(archive(*needed, bad), tmp_path / "000001")
+            step_files.unpack_state(archive(*needed, bad), tmp_path / "000001")
     assert not (tmp_path / "000001").exists() and not (tmp_path.parent / "escape.json").exists()
-    restored = checkpoints.unpack_state(archive(*needed), tmp_path / "000001")
+    restored = step_files.unpack_state(archive(*needed), tmp_path / "000001")
     assert (restored / ADAPTER_TAR).is_file() and (restored / "step.json").read_text() == "{}"
 
 

@@ -28,7 +28,7 @@ from artery.schemas import (
     TrainFailed,
     TrainRequest,
 )
-from artery.services.trainer import checkpoints
+from artery.services.trainer import step_files
 from artery.shared import subjects, trainer_state
 from artery.shared.adapters import sha256_hex
 from artery.shared.bus import derived_id, event_headers, publish_event
@@ -71,7 +71,7 @@ async def publish_checkpoint(
     record: ModelRecord,
     step: int,
     metrics: dict,
-    files: checkpoints.StepFiles,
+    files: step_files.StepFiles,
 ) -> None:
     """Upload the saved step (its adapter and its state) to the trainer-state store and announce
     ``checkpoint.saved`` naming the adapter there (the publisher stores and announces it). A

@@ -63,7 +63,7 @@ from artery.schemas import (
     TrainRequested,
     TrainSFTRequested,
 )
-from artery.services.trainer import announce, checkpoints
+from artery.services.trainer import announce, checkpoints, step_files
 from artery.services.trainer.announce import request_event_id as request_event_id  # tests name it here
 from artery.services.trainer.base_models import BaseModelRefused, check_base_model
 from artery.services.trainer.budgets import (
@@ -454,7 +454,7 @@ class Trainer(ConsumingService):
         if already is not None:  # crashed after saving, before recording: publish what was saved
             new_step, metrics = already
             files = await asyncio.to_thread(
-                checkpoints.StepFiles.read, checkpoints.step_dir(self.settings, record, new_step)
+                step_files.StepFiles.read, checkpoints.step_dir(self.settings, record, new_step)
             )
         else:
             # Tokenized and measured before inference is paused: a refusal never pauses it.
@@ -478,7 +478,7 @@ class Trainer(ConsumingService):
                     await self._confirm(held)  # a step of a model this worker lost is never saved
                     save_started = time.monotonic()
                     snapshot = functools.partial(
-                        checkpoints.snapshot_step, policy, new_step, request.id, result.metrics
+                        step_files.snapshot_step, policy, new_step, request.id, result.metrics
                     )
                     saving = asyncio.ensure_future(asyncio.to_thread(snapshot))
                     replicas_paused = len(lease.outcome.acked) if lease is not None else 0
