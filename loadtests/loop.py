@@ -17,10 +17,11 @@ returns once the replica serves the new step. The time is split into:
   stored the groups (a request that comes first is woken by their ``group.ready``), and the
   completion coming back;
 - pause / training / save: the trainer's ``pause_s`` (pausing every replica, after loading the
-  policy on its first step), ``step_time_s`` (the GRPO step) and ``save_s`` (adapter and
-  optimizer state written);
-- trainer other: the rest of ``step_total_s`` (the adapter packed and ``checkpoint.saved``
-  published, the step recorded in PostgreSQL, the registry advanced);
+  policy on its first step), ``step_time_s`` (the GRPO step) and ``save_s`` (the adapter and
+  optimizer state taken as files in memory, while the replicas resume);
+- trainer other: the rest of ``step_total_s`` (the adapter and the state stored and
+  ``checkpoint.staged`` and ``checkpoint.saved`` published, the step recorded in PostgreSQL, the
+  registry advanced; the step's disk write runs beside these and after them);
 - until served: ``train.completed`` received until ``model.train()`` returns: the publisher's
   Object Store upload and ``checkpoint.published``, the replica's fetch and load, and its registry
   entry, which wakes the SDK.
