@@ -450,7 +450,7 @@ class Trainer(ConsumingService):
             return held is not None and held.lost
 
         already = checkpoints.step_for_request(self.settings, record, request.id)
-        writing: asyncio.Future | None = None  # the step directory, written beside the announcing
+        writing: asyncio.Future | None = None  # the step directory, written once the step is stored
         if already is not None:  # crashed after saving, before recording: publish what was saved
             new_step, metrics = already
             files = await asyncio.to_thread(
@@ -507,8 +507,8 @@ class Trainer(ConsumingService):
             if already is None:
                 # The disk is this worker's cache, written once the step is in the store (what
                 # every worker shares, and what a redelivered request finds if this worker dies
-                # before its disk has the step) and off the way to the step being served: the
-                # uploads before it and the answer after it do not share the memory with it.
+                # before its disk has the step): the uploads have the cores to themselves, and
+                # the write runs beside the answer and the replicas' load.
                 final = checkpoints.step_dir(self.settings, record, new_step)
                 writing = asyncio.ensure_future(asyncio.to_thread(files.write, final))
             return await self._answer(request, record, new_step, metrics, started)
