@@ -236,9 +236,11 @@ def test_a_step_in_memory_is_the_step_on_disk_and_the_one_restored(tmp_path):
     assert (written / ADAPTER_TAR).read_bytes() == pack_adapter(written / "adapter") == files.adapter_tar
     state = files.state_tar(sha256_hex(files.adapter_tar))
     assert not any(name.startswith("adapter/") for name, _ in step_files._read_members(state, "state"))
-    assert step_files.adapter_digest(state) == (sha256_hex(files.adapter_tar), len(files.adapter_tar))
-    restored = step_files.unpack_state(state, tmp_path / "restored", files.adapter_tar)
+    stored = step_files.read_state(state)
+    assert stored.adapter == (sha256_hex(files.adapter_tar), len(files.adapter_tar))
+    restored = step_files.unpack_state(stored, tmp_path / "restored", files.adapter_tar)
     assert step_files.StepFiles.read(restored) == files
+    assert (restored / ADAPTER_TAR).read_bytes() == files.adapter_tar  # as stored, not packed again
     assert Policy.restore(restored, TINY).step == policy.step
 
 
@@ -246,11 +248,11 @@ def test_a_state_archive_restores_only_with_the_adapter_it_names(tmp_path):
     files = step_files.snapshot_step(Policy.create(TINY), 1, "r1", {})
     state = files.state_tar(sha256_hex(files.adapter_tar))
     with pytest.raises(checkpoints.ModelUnusable, match="none was given"):
-        step_files.unpack_state(state, tmp_path / "000001")
+        step_files.unpack_state(step_files.read_state(state), tmp_path / "000001")
     # An archive that holds adapter/ and names an adapter too is neither kind: refused.
     both = pack_files([*step_files._read_members(state, "state"), ("adapter/adapter_config.json", b"{}")])
     with pytest.raises(checkpoints.ModelUnusable, match="names another adapter"):
-        step_files.unpack_state(both, tmp_path / "000001", files.adapter_tar)
+        step_files.read_state(both)
     garbled = pack_files(
         [
             (n, b'{"sha256": 1}' if n == step_files.ADAPTER_DIGEST else d)
@@ -258,7 +260,13 @@ def test_a_state_archive_restores_only_with_the_adapter_it_names(tmp_path):
         ]
     )
     with pytest.raises(checkpoints.ModelUnusable, match="not valid"):
-        step_files.adapter_digest(garbled)
+        step_files.read_state(garbled)
+    members = step_files._read_members(state, "state")
+    with pytest.raises(checkpoints.ModelUnusable, match="appears twice"):
+        step_files.read_state(pack_files([*members, members[0]]))
+    twice = pack_files([*step_files._read_members(files.adapter_tar, "adapter")] * 2)
+    with pytest.raises(checkpoints.ModelUnusable, match="appears twice"):
+        step_files.unpack_state(step_files.read_state(state), tmp_path / "000001", twice)
     assert not (tmp_path / "000001").exists()
 
 
@@ -424,9 +432,9 @@ def test_a_state_archive_cannot_write_outside_its_step(tmp_path):
         "adapter/w.bin",
     ):
         with pytest.raises(checkpoints.ModelUnusable):
-            step_files.unpack_state(archive(*needed, bad), tmp_path / "000001")
+            step_files.unpack_state(step_files.read_state(archive(*needed, bad)), tmp_path / "000001")
     assert not (tmp_path / "000001").exists() and not (tmp_path.parent / "escape.json").exists()
-    restored = step_files.unpack_state(archive(*needed), tmp_path / "000001")
+    restored = step_files.unpack_state(step_files.read_state(archive(*needed)), tmp_path / "000001")
     assert (restored / ADAPTER_TAR).is_file() and (restored / "step.json").read_text() == "{}"
 
 

@@ -34,7 +34,7 @@ from artery.services.trainer.step_files import (
     ADAPTER_TAR,
     STEP_FILE,
     ModelUnusable,
-    adapter_digest,
+    read_state,
     snapshot_step,
     unpack_state,
 )
@@ -201,16 +201,15 @@ class PolicyCache:
             if newest == on_disk and (cached or await self._same_as_stored(record, on_disk)):
                 return on_disk
             name = trainer_state.object_name(project, model, newest, trainer_state.STATE)
-            data = await trainer_state.get(self.js, name)
-            digest = await asyncio.to_thread(adapter_digest, data)
+            state = await asyncio.to_thread(read_state, await trainer_state.get(self.js, name))
             adapter = None
-            if digest is not None:  # stored beside the state, and checked to be the one it names
-                sha256, size = digest
+            if state.adapter is not None:  # stored beside the state, and checked to be the one it names
+                sha256, size = state.adapter
                 name = trainer_state.object_name(project, model, newest, trainer_state.ADAPTER)
                 adapter = await trainer_state.get(self.js, name, sha256=sha256, size=size)
         except InvalidMessage as exc:  # the store's trouble, never the request's: asked again later
             raise DependencyUnavailable(f"{project}/{model} step state unreadable: {exc}") from exc
-        await asyncio.to_thread(unpack_state, data, step_dir(self.settings, record, newest), adapter)
+        await asyncio.to_thread(unpack_state, state, step_dir(self.settings, record, newest), adapter)
         log.info(
             "step taken from the trainer-state store",
             project=project,

@@ -5,9 +5,9 @@ trainer-state store keeps of it.
 inference loads), the trainer's own files (optimizer and RNG state, the trainer state, and
 ``step.json``, the request that produced the step) and ``adapter.tar``. The store keeps
 ``adapter.tar`` and ``state_tar`` (the other files, with the adapter's digest in place of
-``adapter/``); ``unpack_state`` makes the step directory again from the two, checking every
-member first. A step's archives hold the trainer's data formats only (safetensors and JSON, never
-pickle) and paths inside the step.
+``adapter/``); ``read_state`` reads a state archive back and ``unpack_state`` makes the step
+directory again from it and the adapter, checking every member first. A step's archives hold the
+trainer's data formats only (safetensors and JSON, never pickle) and paths inside the step.
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ class StepFiles:
 
     def state_tar(self, adapter_sha256: str) -> bytes:
         """The step as the store keeps it beside ``adapter_tar`` (whose sha256 is given):
-        ``unpack_state`` takes the two. The same bytes for the same files (sorted, owners and
-        times zeroed): a repeated upload is recognised as the object already stored."""
+        ``read_state`` and ``unpack_state`` take the two. The same bytes for the same files (sorted,
+        owners and times zeroed): a repeated upload is recognised as the object already stored."""
         digest = {"sha256": adapter_sha256, "size_bytes": len(self.adapter_tar)}
         state = [(name, data) for name, data in self.state if name != ADAPTER_DIGEST]
         return pack_files(sorted([*state, (ADAPTER_DIGEST, json.dumps(digest, sort_keys=True).encode())]))
@@ -102,50 +102,77 @@ def _check_state_member(name: str) -> None:
         raise ModelUnusable(f"{name!r}: not a file of a trainer's step")
 
 
-def adapter_digest(data: bytes) -> tuple[str, int] | None:
-    """The sha256 and size of the adapter a state archive names (``ADAPTER_DIGEST``); None for an
-    archive that holds ``adapter/`` itself (written before the adapter was stored once)."""
-    members = dict(_read_members(data, "the step's state"))
-    if ADAPTER_DIGEST not in members:
-        return None
+@dataclass(frozen=True)
+class StoredState:
+    """A step's state archive, read and checked once (``read_state``): ``files``, the trainer's
+    files (and ``adapter/`` in an archive of before), and ``adapter``, the sha256 and size of the
+    ``adapter.tar`` it names, or None for an archive that holds ``adapter/`` itself (written before
+    the adapter was stored once)."""
+
+    files: list[tuple[str, bytes]]
+    adapter: tuple[str, int] | None
+
+
+def read_state(data: bytes) -> StoredState:
+    """A state archive's members, each checked (``_check_state_member``), and the adapter it names;
+    ``ModelUnusable`` for one that is not a step's state."""
+    members = _read_members(data, "the step's state")
+    for name, _ in members:
+        _check_state_member(name)
+    _check_unique(members, "the step's state")
+    files = [(name, content) for name, content in members if name != ADAPTER_DIGEST]
+    holds_adapter = any(name.startswith(f"{ADAPTER_DIR}/") for name, _ in files)
+    if len(files) == len(members):
+        return StoredState(files=files, adapter=None)
+    if holds_adapter:
+        raise ModelUnusable(f"the step's state holds {ADAPTER_DIR}/ and names another adapter")
+    content = dict(members)[ADAPTER_DIGEST]
     try:
-        digest = json.loads(members[ADAPTER_DIGEST])
+        digest = json.loads(content)
         sha256, size = digest["sha256"], digest["size_bytes"]
     except (ValueError, TypeError, KeyError) as exc:
         raise ModelUnusable(f"the step's {ADAPTER_DIGEST} is not valid: {exc!r}") from exc
     if not (isinstance(sha256, str) and len(sha256) == 64 and isinstance(size, int) and size >= 0):
         raise ModelUnusable(f"the step's {ADAPTER_DIGEST} is not valid: {digest!r}")
-    return sha256, size
+    return StoredState(files=files, adapter=(sha256, size))
 
 
-def unpack_state(data: bytes, final: Path, adapter: bytes | None = None) -> Path:
-    """A step's state archive, with the ``adapter`` (``adapter.tar``) it names, as the step
-    directory ``final`` (replaced as a whole, ``write_files``); every member is checked before
-    anything is written, so ``final`` never holds half a step. An archive that holds ``adapter/``
-    itself needs no ``adapter``."""
-    state = _read_members(data, "the step's state")
-    for name, _ in state:
-        _check_state_member(name)
-    files = [(name, content) for name, content in state if name != ADAPTER_DIGEST]
-    holds_adapter = any(name.startswith(f"{ADAPTER_DIR}/") for name, _ in state)
-    if holds_adapter and (adapter is not None or len(files) < len(state)):
-        raise ModelUnusable(f"the step's state holds {ADAPTER_DIR}/ and names another adapter")
-    if not holds_adapter:
+def unpack_state(state: StoredState, final: Path, adapter: bytes | None = None) -> Path:
+    """A step's state, with the ``adapter`` (``adapter.tar``) it names, as the step directory
+    ``final`` (``StepFiles.write``: replaced as a whole); every member is checked before anything
+    is written, so ``final`` never holds half a step. The adapter's bytes are written as they were
+    stored. An archive that holds ``adapter/`` itself needs no ``adapter``: it is packed from the
+    files, as the step that wrote them packed it."""
+    if state.adapter is None:
+        if adapter is not None:
+            raise ModelUnusable(f"the step's state holds {ADAPTER_DIR}/ and names another adapter")
+        prefix = f"{ADAPTER_DIR}/"
+        inside = [(name.removeprefix(prefix), data) for name, data in state.files if name.startswith(prefix)]
+        step = StepFiles.of(
+            adapter=sorted(inside),
+            state=[(name, data) for name, data in state.files if not name.startswith(prefix)],
+        )
+    else:
         if adapter is None:
             raise ModelUnusable("the step's state names its adapter, and none was given")
         members = _read_members(adapter, "the step's adapter")
         for name, _ in members:
             _check_state_member(f"{ADAPTER_DIR}/{name}")
-        files += [(f"{ADAPTER_DIR}/{name}", content) for name, content in members]
-    names = [name for name, _ in files]
-    if len(set(names)) != len(names):
-        raise ModelUnusable("a file appears twice in the step's state")
-    for needed in (STEP_FILE, TRAINER_STATE, f"{ADAPTER_DIR}/adapter_config.json"):
+        _check_unique(members, "the step's adapter")
+        step = StepFiles(adapter=members, state=state.files, adapter_tar=adapter)
+    names = {name for name, _ in step.state}
+    for needed in (STEP_FILE, TRAINER_STATE):
         if needed not in names:
             raise ModelUnusable(f"the step's state has no {needed}")
-    if adapter is None:  # an archive of before: the adapter is packed from its files
-        adapter = pack_files(sorted((name.split("/", 1)[1], data) for name, data in files if "/" in name))
-    return write_files(final, [*files, (ADAPTER_TAR, adapter)])
+    if "adapter_config.json" not in {name for name, _ in step.adapter}:
+        raise ModelUnusable(f"the step's state has no {ADAPTER_DIR}/adapter_config.json")
+    return step.write(final)
+
+
+def _check_unique(members: list[tuple[str, bytes]], what: str) -> None:
+    names = [name for name, _ in members]
+    if len(set(names)) != len(names):
+        raise ModelUnusable(f"a file appears twice in {what}")
 
 
 def _read_members(data: bytes, what: str) -> list[tuple[str, bytes]]:
