@@ -43,8 +43,15 @@ import pytest
 
 import artery as art
 from artery.ops.stack import VLLM_VENV, Stack
-from artery.schemas import CheckpointDeleted, CheckpointPublished, new_event_id
-from artery.shared import bus, subjects
+from artery.schemas import (
+    CheckpointDeleted,
+    CheckpointPublished,
+    CheckpointSaved,
+    CheckpointStaged,
+    new_event_id,
+)
+from artery.services.trainer import announce
+from artery.shared import bus, subjects, trainer_state
 from artery.shared.adapters import pack_adapter, put_adapter, sha256_hex
 from artery.shared.control_client import live_replicas, pause_replicas, resume_replicas
 from artery.shared.cpu import cpu_has_bf16
@@ -354,15 +361,15 @@ async def test_a_lease_that_runs_out_resumes_both_engines(replicas, nc):
 # --------------------------------------------------------------------------- adapters
 
 
-def trainer_adapter(directory) -> bytes:
+def trainer_adapter(directory, seed: int = 0) -> bytes:
     """An adapter saved by the trainer's ``Policy`` (its default LoRA: r 8, attention, MLP and
-    ``lm_head``), its B matrices moved off zero so that it changes greedy output."""
+    ``lm_head``), its B matrices moved off zero (by ``seed``) so that it changes greedy output."""
     import torch
 
     from artery.services.trainer.policy import Policy
 
     policy = Policy.create(SMOLLM2)
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, parameter in policy.named_trainable:
             if "lora_B" in name:
@@ -443,6 +450,82 @@ async def test_a_trainer_adapter_is_hot_loaded_and_matches_the_transformers_engi
             json={"model": f"{MODEL}@1", **PROMPTS["user"], "max_tokens": 2},
         )
     assert gone.status_code == 404
+
+
+async def stored_as_trainer_does(js, step: int, data: bytes) -> dict:
+    """The adapter in the trainer-state store; what ``checkpoint.staged`` and ``.saved`` say of it."""
+    name = trainer_state.object_name(PROJECT, MODEL, step, trainer_state.ADAPTER)
+    await trainer_state.put(js, name, data)
+    return dict(
+        project=PROJECT,
+        model=MODEL,
+        step=step,
+        uri=trainer_state.uri(name),
+        sha256=sha256_hex(data),
+        size_bytes=len(data),
+        base_model=SMOLLM2,
+    )
+
+
+def replica_log(replicas, engine: str) -> str:
+    return (replicas["stack"].logs / f"inference-{engine}.log").read_text()
+
+
+async def test_a_staged_adapter_read_ahead_by_vllm_serves_once_saved_and_stale_bytes_never(
+    replicas, nc, tmp_path
+):
+    """The trainer stages a step's adapter before its state is stored: the vLLM replica reads it
+    into vLLM ahead (``preload_adapter``) and serves that id once the step is saved, with the
+    transformers engine's tokens. A step trained again into other bytes after it was read ahead
+    serves the saved bytes, never the ones read ahead."""
+    js = nc.jetstream()
+    # One at a time: loading two models at once in threads is not safe in transformers.
+    first, staged, saved = [await asyncio.to_thread(trainer_adapter, tmp_path / str(s), s) for s in (1, 2, 3)]
+    steps = (21, 22)
+    try:
+        fields = await stored_as_trainer_does(js, 21, first)
+        await announce.stage(js, CheckpointStaged(id=new_event_id(), **fields))
+        await bus.publish_event(js, subjects.checkpoint("saved", PROJECT, MODEL), saved_as(fields))
+        await _wait(lambda: served_everywhere(js, f"{MODEL}@21"), timeout=120)
+        assert read_ahead(replicas, f"{MODEL}@21") is True
+        one = await both(replicas, **PROMPTS["user"], model=f"{MODEL}@21")
+        assert one["vllm"]["choices"][0]["token_ids"] == one["transformers"]["choices"][0]["token_ids"]
+
+        fields = await stored_as_trainer_does(js, 22, staged)
+        await announce.stage(js, CheckpointStaged(id=new_event_id(), **fields))
+        await _wait(lambda: fetched_ahead_by_vllm(replicas, 22), timeout=120)
+        fields = await stored_as_trainer_does(js, 22, saved)  # trained again: other bytes, same step
+        await bus.publish_event(js, subjects.checkpoint("saved", PROJECT, MODEL), saved_as(fields))
+        await _wait(lambda: served_everywhere(js, f"{MODEL}@22"), timeout=120)
+        assert read_ahead(replicas, f"{MODEL}@22") is False
+        two = await both(replicas, **PROMPTS["user"], model=f"{MODEL}@22")
+        assert two["vllm"]["choices"][0]["token_ids"] == two["transformers"]["choices"][0]["token_ids"]
+        assert two["vllm"]["choices"][0]["token_ids"] != one["vllm"]["choices"][0]["token_ids"]
+    finally:
+        for step in steps:
+            await delete_adapter(js, step, f"{PROJECT}/{MODEL}/{step:04d}")
+        for step in steps:
+            await _wait(lambda step=step: served_everywhere(js, f"{MODEL}@{step}", present=False), timeout=60)
+
+
+def saved_as(fields: dict) -> CheckpointSaved:
+    return CheckpointSaved(id=new_event_id(), metrics={}, **fields)
+
+
+def log_events(replicas, engine: str, event: str) -> list[dict]:
+    """The replica's log lines (JSON) of ``event``."""
+    lines = [json.loads(line) for line in replica_log(replicas, engine).splitlines() if line.startswith("{")]
+    return [e for e in lines if e.get("event") == event]
+
+
+def read_ahead(replicas, name: str) -> bool | None:
+    """Whether the vLLM replica served ``name`` from what its engine had read ahead (its log)."""
+    loads = [e for e in log_events(replicas, "vllm", "adapter loaded") if e.get("served_name") == name]
+    return loads[-1]["read_ahead"] if loads else None
+
+
+async def fetched_ahead_by_vllm(replicas, step: int) -> bool:
+    return any(e.get("step") == step for e in log_events(replicas, "vllm", "staged adapter fetched ahead"))
 
 
 async def test_a_base_model_request_gets_no_adapter_with_every_lora_slot_taken(replicas, nc, tmp_path):

@@ -19,6 +19,7 @@ import pytest
 from artery.schemas import CheckpointDeleted, CheckpointStaged
 from artery.schemas.base import new_event_id
 from artery.services.inference.checkpoints import CheckpointWatcher
+from artery.services.inference.engine.base import EngineError, PreloadsAdapters
 from artery.services.publisher.service import object_name
 from artery.services.trainer import announce
 from artery.shared import subjects, trainer_state
@@ -29,6 +30,54 @@ from tests.test_replica_follows import following, publishing, until
 
 pytestmark = pytest.mark.timeout(120)
 WAIT_S = 30.0
+
+
+class PreloadingEngine:
+    """Reads adapters ahead of serving them, as vLLM does (``PreloadsAdapters``): each adapter's
+    bytes are read when it is loaded or preloaded, so a test sees which bytes each name serves."""
+
+    kind = "preloading"
+
+    def __init__(self, *, refuse_preloads: bool = False) -> None:
+        self.serving: dict[str, bytes] = {}
+        self.preloaded: dict[str, bytes] = {}
+        self.loads: list[tuple[str, str]] = []  # (how, name): "load" or "preloaded"
+        self.dropped: list[str] = []
+        self.refuse_preloads = refuse_preloads
+        self.loaded_event = asyncio.Event()
+
+    @staticmethod
+    def _read(path) -> bytes:
+        return (path / "adapter_model.safetensors").read_bytes()
+
+    async def load_adapter(self, name: str, path) -> None:
+        self.serving[name] = self._read(path)
+        self.loads.append(("load", name))
+        self.loaded_event.set()
+
+    async def preload_adapter(self, key: str, path) -> None:
+        if self.refuse_preloads:
+            raise EngineError("no room for another adapter")
+        self.preloaded[key] = self._read(path)
+
+    async def serve_preloaded(self, name: str, key: str) -> None:
+        self.serving[name] = self.preloaded.pop(key)
+        self.loads.append(("preloaded", name))
+        self.loaded_event.set()
+
+    async def drop_preloaded(self, key: str) -> None:
+        self.dropped.append(key)
+        self.preloaded.pop(key, None)
+
+    async def unload_adapter(self, name: str) -> None:
+        del self.serving[name]
+
+    def adapters(self) -> list[str]:
+        return list(self.serving)
+
+    async def next_load(self) -> None:
+        await asyncio.wait_for(self.loaded_event.wait(), WAIT_S)
+        self.loaded_event.clear()
 
 
 class RecordingEngine:
@@ -174,8 +223,9 @@ async def test_a_staged_adapter_is_fetched_ahead_and_served_only_once_saved(js, 
     uri = await stored_as_trainer_does(js, 1, data)
     async with following(watcher):
         await announce.stage(js, staged_event(uri, data, 1))  # as the trainer sends it
-        sha256, directory = await fetched_ahead(watcher, 1)
-        assert sha256 == sha256_hex(data) and (directory / "adapter_model.safetensors").is_file()
+        ahead = await fetched_ahead(watcher, 1)
+        assert ahead.sha256 == sha256_hex(data) and (ahead.path / "adapter_model.safetensors").is_file()
+        assert ahead.preloaded is None  # this engine reads adapters only when it serves them
         assert engine.started == [] and announced == []  # a hint serves nothing
         # Gone from the store: only what was fetched ahead can serve step 1 now.
         await (await js.object_store(trainer_state.BUCKET)).delete(
@@ -197,7 +247,7 @@ async def test_a_step_saved_with_other_bytes_than_staged_serves_the_saved_bytes(
     async with following(watcher):
         uri = await stored_as_trainer_does(js, 1, first)
         await announce.stage(js, staged_event(uri, first, 1))
-        assert (await fetched_ahead(watcher, 1))[0] == sha256_hex(first)
+        assert (await fetched_ahead(watcher, 1)).sha256 == sha256_hex(first)
         await stored_as_trainer_does(js, 1, second)
         await publish_event(js, SAVED, saved_event(uri, second, 1))
         await engine.next_load()
@@ -240,3 +290,61 @@ async def test_a_fetch_ahead_is_dropped_for_a_newer_step_and_refused_for_another
 
 async def nc_publish_garbage(js, subject: str) -> None:
     await js._nc.publish(subject, b"\x00not an event")
+
+
+def weights(step: int, size: int) -> bytes:
+    """The weights file of ``write_adapter(root, step, size=size)``."""
+    return bytes([step % 256]) * size
+
+
+async def test_an_engine_that_reads_ahead_serves_the_staged_adapter_it_read_once_saved(js, tmp_path):
+    engine = PreloadingEngine()
+    assert isinstance(engine, PreloadsAdapters) and not isinstance(RecordingEngine(), PreloadsAdapters)
+    watcher = watcher_for(js, engine, tmp_path, "replica", load_saved=True)
+    _, first = write_adapter(tmp_path / "first", 1, size=50_000)
+    _, second = write_adapter(tmp_path / "second", 2, size=60_000)
+    _, other = write_adapter(tmp_path / "other", 2, size=70_000)
+    async with following(watcher):
+        uri = await stored_as_trainer_does(js, 1, first)
+        await announce.stage(js, staged_event(uri, first, 1))
+        ahead = await fetched_ahead(watcher, 1)
+        assert engine.preloaded == {ahead.preloaded: weights(1, 50_000)} and engine.serving == {}
+        await publish_event(js, SAVED, saved_event(uri, first, 1))
+        await engine.next_load()
+        # Served under its name from what the engine read ahead, never read a second time.
+        assert engine.loads == [("preloaded", f"{MODEL}@1")] and engine.preloaded == {}
+        assert engine.serving == {f"{MODEL}@1": weights(1, 50_000)}
+
+        # Step 2 staged, then trained again into other bytes (a redelivered request) and saved:
+        # the bytes read ahead are dropped and the saved ones served.
+        uri = await stored_as_trainer_does(js, 2, second)
+        await announce.stage(js, staged_event(uri, second, 2))
+        stale = (await fetched_ahead(watcher, 2)).preloaded
+        await stored_as_trainer_does(js, 2, other)
+        await publish_event(js, SAVED, saved_event(uri, other, 2))
+        await engine.next_load()
+        assert engine.loads[-1] == ("load", f"{MODEL}@2") and engine.dropped == [stale]
+        assert engine.serving[f"{MODEL}@2"] == weights(2, 70_000)
+        assert engine.preloaded == {}
+
+
+async def test_a_read_ahead_is_dropped_for_a_newer_step_and_a_refused_one_loads_as_fetched(js, tmp_path):
+    engine = PreloadingEngine()
+    watcher = watcher_for(js, engine, tmp_path, "replica", load_saved=True)
+    _, one = write_adapter(tmp_path / "one", 1, size=50_000)
+    _, two = write_adapter(tmp_path / "two", 2, size=50_000)
+    async with following(watcher):
+        await announce.stage(js, staged_event(await stored_as_trainer_does(js, 1, one), one, 1))
+        first = (await fetched_ahead(watcher, 1)).preloaded
+        engine.refuse_preloads = True
+        uri = await stored_as_trainer_does(js, 2, two)
+        await announce.stage(js, staged_event(uri, two, 2))
+        # Training moved past step 1: the engine forgets what it read of it.
+        assert (await fetched_ahead(watcher, 2)).preloaded is None
+        await until(lambda: engine.dropped == [first])
+        assert engine.preloaded == {}
+        # Step 2 was fetched but not read ahead: it is loaded from what was fetched.
+        await publish_event(js, SAVED, saved_event(uri, two, 2))
+        await engine.next_load()
+        assert engine.loads == [("load", f"{MODEL}@2")]
+        assert engine.serving == {f"{MODEL}@2": weights(2, 50_000)}

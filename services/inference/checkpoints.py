@@ -43,6 +43,9 @@ adapter before its optimizer state and says so, and the replica fetches and unpa
 ``checkpoint.saved`` (or ``checkpoint.published``) names the same sha256, so a step announced as
 saved is still the only one served, and its load then skips the fetch. A prefetch that fails, or
 whose step is never saved, costs nothing else; only the newest staged step is fetched ahead.
+An engine that can read an adapter ahead of serving it (``PreloadsAdapters``: vLLM) is handed the
+unpacked adapter then too, under a key that serves nothing; the saved step is then served under
+its name without being read again.
 
 One way per purpose: published steps come from the adapters bucket, saved ones from the
 trainer-state store, never from a file. A file reached only replicas that shared the trainer's
@@ -73,7 +76,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Generic, TypeVar
+from typing import Generic, NamedTuple, TypeVar
 
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
@@ -82,7 +85,7 @@ from nats.js.errors import NotFoundError
 from opentelemetry import trace
 
 from artery.schemas import CheckpointDeleted, CheckpointPublished, CheckpointSaved, CheckpointStaged
-from artery.services.inference.engine.base import Engine
+from artery.services.inference.engine.base import Engine, EngineError, PreloadsAdapters
 from artery.services.inference.serving import CheckpointLag
 from artery.shared import subjects, trainer_state
 from artery.shared.adapters import AdapterError, AdapterNotFound, get_adapter, unpack_adapter
@@ -121,6 +124,15 @@ class _Received(Generic[_Event]):
 
 #: What the loop loads: a published step, or one the trainer saved (read from its store).
 _ToLoad = _Received[CheckpointPublished] | _Received[CheckpointSaved]
+
+
+class _FetchedAhead(NamedTuple):
+    """A staged adapter fetched and unpacked ahead of its ``checkpoint.saved``."""
+
+    sha256: str
+    path: Path
+    #: The key the engine read it under ahead of serving it (``PreloadsAdapters``), or None.
+    preloaded: str | None
 
 
 class CheckpointWatcher:
@@ -173,9 +185,11 @@ class CheckpointWatcher:
         #: step -> its deletion, applied after the next load.
         self._deletions: dict[int, _Received[CheckpointDeleted]] = {}
         self._fetching: tuple[int, asyncio.Task] | None = None
-        #: step -> the fetch ahead of its staged adapter: its sha256 and directory once done (None
-        #: if it failed); taken by the load of that step.
-        self._prefetches: dict[int, asyncio.Task[tuple[str, Path] | None]] = {}
+        #: step -> the fetch ahead of its staged adapter: what it fetched once done (None if it
+        #: failed); taken by the load of that step.
+        self._prefetches: dict[int, asyncio.Task[_FetchedAhead | None]] = {}
+        #: Preloaded adapters being dropped from the engine (a fetch ahead that nothing will load).
+        self._dropping: set[asyncio.Task] = set()
         self._cache_thread: ThreadPoolExecutor | None = None
         #: The step the loop is loading now: never fetched ahead meanwhile, which would replace
         #: its directory under the engine.
@@ -446,14 +460,15 @@ class CheckpointWatcher:
         if self._steps.get(step) == event.sha256:
             self._settled[step] = event.sha256
             return name  # the same adapter again
-        path = await self._take_prefetch(step, event.sha256)
-        source = "staged"
-        if path is None:
-            path, source = await self._fetch_and_unpack(step, name, event), "published"
+        ahead = await self._take_prefetch(step, event.sha256)
+        if ahead is not None:
+            path, source, preloaded = ahead.path, "staged", ahead.preloaded
+        else:
+            path, source, preloaded = await self._fetch_and_unpack(step, name, event), "published", None
             if path is None:
                 self._refuse(step, event.sha256)
                 return None
-        if await self._serve(step, name, path, event.sha256, source=source):
+        if await self._serve(step, name, path, event.sha256, source=source, preloaded=preloaded):
             self._settled[step] = event.sha256
             return name
         return None
@@ -472,10 +487,11 @@ class CheckpointWatcher:
 
     async def _load_saved(self, step: int, name: str, event: CheckpointSaved) -> str | None:
         """The trainer's archive from its store; None (the published event follows) when unreadable."""
-        path = await self._take_prefetch(step, event.sha256)
-        source = "staged"
-        if path is None:
-            source = "saved"
+        ahead = await self._take_prefetch(step, event.sha256)
+        if ahead is not None:
+            path, source, preloaded = ahead.path, "staged", ahead.preloaded
+        else:
+            source, preloaded = "saved", None
             try:
                 path = await self._from_trainer_store(step, event)
             except (InvalidMessage, DependencyUnavailable, OSError, AdapterError) as exc:
@@ -484,21 +500,33 @@ class CheckpointWatcher:
                 )
                 self._published_instead(step)
                 return None
-        if await self._serve(step, name, path, event.sha256, source=source):
+        if await self._serve(step, name, path, event.sha256, source=source, preloaded=preloaded):
             self._published_aside = {s: r for s, r in self._published_aside.items() if s > step}
             return name
         self._published_instead(step)
         return None
 
-    async def _prefetch(self, step: int, event: CheckpointStaged) -> tuple[str, Path] | None:
-        """A staged adapter fetched and unpacked, not served: its sha256 and directory, or None
-        (its load fetches it as if it had not been staged)."""
+    async def _prefetch(self, step: int, event: CheckpointStaged) -> _FetchedAhead | None:
+        """A staged adapter fetched and unpacked, and read by the engine where it can be, not
+        served; None when the fetch failed (its load fetches it as if it had not been staged)."""
         try:
             path = await self._from_trainer_store(step, event)
         except Exception as exc:  # a hint's failure is never the load's: that fetches as before
             log.info("staged adapter not fetched ahead; fetched when saved", step=step, error=str(exc))
             return None
-        return event.sha256, path
+        preloaded = None
+        if isinstance(self.engine, PreloadsAdapters):
+            # Keyed by its bytes too: a step trained again is a new key, never this one served.
+            key = f"{served_name(self.model, step)} staged {event.sha256}"
+            try:
+                await self.engine.preload_adapter(key, path)
+                preloaded = key
+            except EngineError as exc:  # served as fetched: the load reads it as before
+                log.info("staged adapter not read ahead by the engine", step=step, error=str(exc))
+        log.info(
+            "staged adapter fetched ahead", step=step, sha256=event.sha256, read_ahead=preloaded is not None
+        )
+        return _FetchedAhead(event.sha256, path, preloaded)
 
     async def _from_trainer_store(self, step: int, event: CheckpointSaved | CheckpointStaged) -> Path:
         """The adapter ``event`` names in the trainer-state store (only this model's step is
@@ -507,24 +535,41 @@ class CheckpointWatcher:
         data = await trainer_state.get(self.js, stored, sha256=event.sha256, size=event.size_bytes)
         return await self._on_disk(unpack_adapter, data, self._step_dir(step), event.sha256)
 
-    async def _take_prefetch(self, step: int, sha256: str) -> Path | None:
-        """The directory fetched ahead for ``step`` if it holds ``sha256`` (waiting for a fetch
-        still under way: it has a head start on any fetch begun now); None otherwise."""
+    async def _take_prefetch(self, step: int, sha256: str) -> _FetchedAhead | None:
+        """What was fetched ahead for ``step`` if it holds ``sha256`` (waiting for a fetch still
+        under way: it has a head start on any fetch begun now); None otherwise."""
         task = self._prefetches.pop(step, None)
         if task is None:
             return None
         fetched = await task
-        if fetched is None or fetched[0] != sha256:
-            return None  # the step was trained again into other bytes: fetched as announced
-        return fetched[1]
+        if fetched is None:
+            return None
+        if fetched.sha256 != sha256:  # the step was trained again into other bytes: fetched as announced
+            if fetched.preloaded is not None:
+                await self._drop_preloaded(fetched.preloaded)
+            return None
+        return fetched
 
     def _drop_prefetch(self, step: int) -> None:
-        """Forget a fetch ahead that nothing will load (a newer step staged, or this one deleted),
-        and remove what it unpacked: after it, on the cache's thread (``_on_disk``)."""
+        """Forget a fetch ahead that nothing will load (a newer step staged, or this one deleted):
+        the engine's copy, and what it unpacked (after it, on the cache's thread: ``_on_disk``).
+        One cancelled while the engine reads it is dropped by the engine (``preload_adapter``)."""
         task = self._prefetches.pop(step, None)
-        if task is not None:
-            task.cancel()
-            self._disk().submit(shutil.rmtree, self._step_dir(step), True)
+        if task is None:
+            return
+        task.cancel()
+        self._disk().submit(shutil.rmtree, self._step_dir(step), True)
+        if task.done() and not task.cancelled() and (fetched := task.result()) and fetched.preloaded:
+            dropping = asyncio.create_task(self._drop_preloaded(fetched.preloaded))
+            self._dropping.add(dropping)
+            dropping.add_done_callback(self._dropping.discard)
+
+    async def _drop_preloaded(self, key: str) -> None:
+        assert isinstance(self.engine, PreloadsAdapters)
+        try:
+            await self.engine.drop_preloaded(key)
+        except Exception as exc:  # the engine's cache pushes it out in time
+            log.warning("preloaded adapter not dropped", key=key, error=repr(exc))
 
     def _step_dir(self, step: int) -> Path:
         """Where a step's adapter is unpacked, and read by the engine while it is served."""
@@ -550,19 +595,36 @@ class CheckpointWatcher:
             self._pending[step] = aside
             self._wake.set()
 
-    async def _serve(self, step: int, name: str, path: Path, sha256: str, source: str = "published") -> bool:
-        """Hand an unpacked adapter to the engine under ``name`` and announce it."""
+    async def _serve(
+        self,
+        step: int,
+        name: str,
+        path: Path,
+        sha256: str,
+        source: str = "published",
+        preloaded: str | None = None,
+    ) -> bool:
+        """Hand an unpacked adapter to the engine under ``name`` (``preloaded``: the key the
+        engine has read it under already) and announce it."""
         if step in self._gone:  # deleted while it was unpacked
             log.info("adapter deleted before it was loaded; skipped", served_name=name)
+            if preloaded is not None:
+                await self._drop_preloaded(preloaded)
             await self._on_disk(shutil.rmtree, path, True)
             return False
         if step in self._steps:  # a step re-published with other bytes: replace what is served
             with contextlib.suppress(Exception):
                 await self.engine.unload_adapter(name)
-        await self.engine.load_adapter(name, path)
+        if preloaded is not None:
+            assert isinstance(self.engine, PreloadsAdapters)
+            await self.engine.serve_preloaded(name, preloaded)
+        else:
+            await self.engine.load_adapter(name, path)
         self._steps[step] = sha256
         self._track_lag()
-        log.info("adapter loaded", served_name=name, sha256=sha256, source=source)
+        log.info(
+            "adapter loaded", served_name=name, sha256=sha256, source=source, read_ahead=preloaded is not None
+        )
         result = self.on_loaded(step, name)
         if inspect.isawaitable(result):
             await result

@@ -3,7 +3,7 @@
 The HTTP layer (``api.py``) renders chat messages to token ids with the engine's tokenizer,
 asks the engine for completions, and turns them into OpenAI responses; the engine knows nothing
 about HTTP or chat formats. Engines: ``transformers`` (in-process, CPU or GPU; the default) and
-``vllm`` (GPU). Everything here is plain Python: no torch, no NATS.
+``vllm`` (GPU and CPU). Everything here is plain Python: no torch, no NATS.
 """
 
 from __future__ import annotations
@@ -105,3 +105,24 @@ class Engine(Protocol):
     async def wake(self) -> None: ...
 
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class PreloadsAdapters(Protocol):
+    """An engine that can read an adapter ahead of serving it (vLLM: its engine core parses the
+    files and builds the LoRA's tensors), so that serving it once the step is saved is a matter
+    of naming it. The replica preloads a step's
+    adapter when the trainer stages it (``checkpoints``)."""
+
+    async def preload_adapter(self, key: str, path: Path) -> None:
+        """Read the adapter in ``path`` under ``key``, which serves nothing; ``EngineError`` if it
+        cannot be. One cancelled while it is read is forgotten."""
+        ...
+
+    async def serve_preloaded(self, name: str, key: str) -> None:
+        """Serve the adapter preloaded as ``key`` under ``name``, as ``load_adapter`` would."""
+        ...
+
+    async def drop_preloaded(self, key: str) -> None:
+        """Forget an adapter preloaded and never served."""
+        ...

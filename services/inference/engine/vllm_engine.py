@@ -108,6 +108,8 @@ class VLLMEngine:
         self._extra_args = dict(engine_args or {})
         self._engine: Any = None  # vLLM's AsyncLLM, once started (vLLM is optional: no types)
         self._loras: dict[str, Any] = {}  # served name -> LoRARequest
+        #: key -> LoRARequest read by vLLM ahead of serving, under no served name (``preload_adapter``)
+        self._preloaded: dict[str, Any] = {}
         self._lora_users = AdapterUsers()  # by lora_int_id: removed from vLLM once unused
         self._lora_ids = itertools.count(1)
         self._can_sleep = False
@@ -275,14 +277,59 @@ class VLLMEngine:
         """Load (or replace) adapter ``name``: a PEFT LoRA in safetensors (pickles are refused)."""
         from vllm.lora.request import LoRARequest
 
+        request = LoRARequest(lora_name=name, lora_int_id=next(self._lora_ids), lora_path=str(path))
+        await self._add(request)
+        await self._serve_as(name, request)
+
+    async def preload_adapter(self, key: str, path: Path) -> None:
+        """Have vLLM read the adapter in ``path`` (its engine core parses the files and builds the
+        LoRA's tensors) without serving it under any name: ``serve_preloaded(name, key)`` then
+        serves it without that work. The caller makes sure ``path`` is not rewritten meanwhile."""
+        from vllm.lora.request import LoRARequest
+
+        if key in self._preloaded:
+            raise EngineError(f"an adapter is already preloaded as {key!r}")
+        request = LoRARequest(lora_name=key, lora_int_id=next(self._lora_ids), lora_path=str(path))
+        self._preloaded[key] = request
+        try:
+            await self._add(request)
+        except BaseException:
+            # Cancelled, vLLM may still add it: it holds one of its cached adapters (max_loras)
+            # until newer ones push it out, and nothing ever serves its id.
+            self._preloaded.pop(key, None)
+            raise
+
+    async def serve_preloaded(self, name: str, key: str) -> None:
+        """Serve the adapter preloaded as ``key`` under ``name`` (as ``load_adapter`` would):
+        the same id vLLM read it under, now named, so no request reads its files again."""
+        from vllm.lora.request import LoRARequest
+
+        ahead = self._preloaded.pop(key, None)
+        if ahead is None:
+            raise UnknownAdapter(key)
+        # vLLM keys an adapter by its id; the name is this engine's. Were it pushed out of
+        # vLLM's cache meanwhile, the first request reads it again from the same files.
+        request = LoRARequest(lora_name=name, lora_int_id=ahead.lora_int_id, lora_path=ahead.lora_path)
+        await self._serve_as(name, request)
+
+    async def drop_preloaded(self, key: str) -> None:
+        """Forget an adapter preloaded and never served (a newer step came, or it was deleted)."""
+        ahead = self._preloaded.pop(key, None)
+        if ahead is not None and self._engine is not None:
+            await self._engine.remove_lora(ahead.lora_int_id)
+
+    async def _add(self, request: Any) -> None:
         if self._engine is None:
             raise EngineError("engine not started")
-        check_adapter_dir(Path(path))
-        request = LoRARequest(lora_name=name, lora_int_id=next(self._lora_ids), lora_path=str(path))
+        check_adapter_dir(Path(request.lora_path))
         try:
             await self._engine.add_lora(request)
         except Exception as exc:  # a shape or module vLLM cannot serve: the watcher logs it
-            raise EngineError(f"vLLM could not load adapter {name} from {path}: {exc}") from exc
+            raise EngineError(
+                f"vLLM could not load adapter {request.lora_name} from {request.lora_path}: {exc}"
+            ) from exc
+
+    async def _serve_as(self, name: str, request: Any) -> None:
         previous = self._loras.get(name)
         self._loras[name] = request
         if previous is not None:
