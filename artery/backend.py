@@ -18,10 +18,12 @@ its outcome, the wait until a step is served, registration), each a few methods 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import functools
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -59,7 +61,7 @@ from artery.shared.tracing import (
     setup_sdk_tracing,
     tracer,
 )
-from artery.shared.wakeup import woken_by
+from artery.shared.wakeup import Wakeup, woken_by
 from artery.step_report import report_step
 from artery.trajectories import Trajectory, TrajectoryGroup, require_rewards
 from artery.utils.model_files import jsonable
@@ -73,6 +75,15 @@ SFT_GROUP_SIZE = 64
 _tracer = tracer("artery.sdk")
 #: Waits driven by events still look again this often, in case an event was missed.
 _RECHECK_S = 2.0
+
+
+@dataclass
+class _ServingWatch:
+    """A model's replicas as a ``train()`` waits for them to serve its step: the registry entries
+    heard since the request went out (``wake``), and the replica list read meanwhile."""
+
+    wake: Wakeup
+    listing: asyncio.Future[list[ReplicaInfo]]
 
 
 class _Submission:
@@ -287,37 +298,51 @@ class Backend(S3Transport):
                 _submissions.reset(token)
             if not group_ids:
                 raise ValueError("train() needs at least one group")
-            nc = await self._connect()
-            outcome_subject = subjects.train("*", model.project, model.name)
-            sub = await nc.subscribe(outcome_subject)  # before publishing, so no answer is missed
-            try:
-                request = make_request(
-                    id=new_event_id(),
-                    project=model.project,
-                    model=model.name,
-                    # The policy version publish() read for the groups: the request names the
-                    # same, without a second registry round trip on the way of every step.
-                    step=submitted.step if submitted.step is not None else await self._get_step(model),
-                    group_ids=group_ids,
-                )
-                # Both kinds of request go to the same subject (the trainer tells them apart by
-                # tag); its step span is the child of this one and links to every submission.
-                await bus.publish_event(
-                    nc.jetstream(),
-                    subjects.train("requested", model.project, model.name),
-                    request,
-                    headers=link_headers({}, submitted.spans),
-                )
-                outcome = await self._await_outcome(sub, request.id, timeout_s)
-            finally:
-                await sub.unsubscribe()
-            if isinstance(outcome, TrainFailed):
-                raise TrainingFailed(outcome.error, retriable=outcome.retriable)
-            await self._wait_until_served(model, outcome.step, wait_for_serving_s)
+            # Opened before the request: a replica may serve the step before its answer arrives
+            # here (it loads the step as saved; the trainer answers once it has recorded it).
+            async with self._serving_watch(model) as serving:
+                outcome = await self._request_step(model, make_request, group_ids, submitted, timeout_s)
+                if isinstance(outcome, TrainFailed):
+                    raise TrainingFailed(outcome.error, retriable=outcome.retriable)
+                await self._wait_until_served(model, outcome.step, wait_for_serving_s, serving)
             span.set_attribute("artery.step", outcome.step)
             result = TrainResult.of(outcome.step, dict(outcome.metrics), current_trace_id())
             report_step(model, result)
             return result
+
+    async def _request_step(
+        self,
+        model: Model,
+        make_request: Callable[..., TrainRequest],
+        group_ids: list[str],
+        submitted: _Submission,
+        timeout_s: float | None,
+    ) -> TrainCompleted | TrainFailed:
+        """Publish the train request for ``group_ids`` and await its outcome."""
+        nc = await self._connect()
+        outcome_subject = subjects.train("*", model.project, model.name)
+        sub = await nc.subscribe(outcome_subject)  # before publishing, so no answer is missed
+        try:
+            request = make_request(
+                id=new_event_id(),
+                project=model.project,
+                model=model.name,
+                # The policy version publish() read for the groups: the request names the
+                # same, without a second registry round trip on the way of every step.
+                step=submitted.step if submitted.step is not None else await self._get_step(model),
+                group_ids=group_ids,
+            )
+            # Both kinds of request go to the same subject (the trainer tells them apart by
+            # tag); its step span is the child of this one and links to every submission.
+            await bus.publish_event(
+                nc.jetstream(),
+                subjects.train("requested", model.project, model.name),
+                request,
+                headers=link_headers({}, submitted.spans),
+            )
+            return await self._await_outcome(sub, request.id, timeout_s)
+        finally:
+            await sub.unsubscribe()
 
     async def _await_outcome(self, sub, request_id: str, timeout_s: float | None):
         loop = asyncio.get_running_loop()
@@ -339,43 +364,68 @@ class Backend(S3Transport):
             if outcome.request_id == request_id:
                 return outcome
 
-    async def _wait_until_served(self, model: Model, step: int, timeout_s: float) -> None:
-        """Every live replica of the model lists ``<model>@<step>`` (they load it after publication).
-
-        Woken by the replicas' registry entries changing (a replica writes its entry the moment it
-        serves a new step), not by a timer; the registry is read again at least every
-        ``_RECHECK_S`` in case a change was missed (a reconnect).
-
-        The replica list is read while the replicas still load the step; the entry that wakes
-        this wait usually completes the answer with that list, and the list is read again (the
-        control plane asked, a round trip on the way of every step) only when it does not."""
-        name = model.get_inference_name(step)
+    @contextlib.asynccontextmanager
+    async def _serving_watch(self, model: Model) -> AsyncIterator[_ServingWatch]:
+        """The registry entries of ``model``'s replicas heard from now on, and its replica list,
+        read in the background: opened before a train request goes out, a step served before its
+        answer comes is then found served with no round trip after the answer."""
         keys = subjects.replica_keys(model.project, model.name)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        replicas: list[ReplicaInfo] | None = None
         async with woken_by(
             await self._connect(),
             subjects.kv_updates(subjects.REPLICAS_BUCKET, keys),
             waiter="sdk_until_served",
         ) as wake:
-            while True:
-                wake.clear()  # before reading: a change during the read wakes the next wait
-                # The entries heard count as read: the stream stores a put after plain
-                # subscribers hear it, so a read right after the wake-up can miss it, and
-                # nothing else would come before the safety net (the missed wake-ups of #31).
-                if replicas is not None and served_by_all(name, replicas, wake.latest.values(), joined=True):
-                    wake.satisfied()
-                    return
-                replicas = await project_replicas(await self._js(), model.project, model.name)
-                if served_by_all(name, replicas, wake.latest.values(), joined=False):
-                    wake.satisfied()
-                    return
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    lagging = [r.replica_id for r in replicas if name not in r.served]
-                    raise TimeoutError(f"{name} not served within {timeout_s}s by {lagging}")
-                await wake.wait(min(remaining, _RECHECK_S))
+            listing = asyncio.ensure_future(project_replicas(await self._js(), model.project, model.name))
+            try:
+                yield _ServingWatch(wake, listing)
+            finally:
+                listing.cancel()
+                with contextlib.suppress(BaseException):
+                    await listing
+
+    async def _wait_until_served(
+        self, model: Model, step: int, timeout_s: float, watch: _ServingWatch | None = None
+    ) -> None:
+        """Every live replica of the model lists ``<model>@<step>`` (they load it after publication).
+
+        Woken by the replicas' registry entries changing (a replica writes its entry the moment it
+        serves a new step), not by a timer; the registry is read again at least every
+        ``_RECHECK_S`` in case a change was missed (a reconnect). ``watch``: one opened before
+        the step was asked for (``_serving_watch``), else one is opened now.
+
+        The replica list is read while the replicas still load the step (or train it); the entry
+        that wakes this wait usually completes the answer with that list, and the list is read
+        again (the control plane asked, a round trip on the way of every step) only when it does
+        not."""
+        if watch is None:
+            async with self._serving_watch(model) as opened:
+                return await self._wait_until_served(model, step, timeout_s, opened)
+        name = model.get_inference_name(step)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        wake = watch.wake
+        try:
+            replicas: list[ReplicaInfo] | None = await watch.listing
+        except Exception:  # read again below, where a failure is the caller's
+            replicas = None
+        while True:
+            wake.clear()  # before reading: a change during the read wakes the next wait
+            # The entries heard count as read: the stream stores a put after plain subscribers
+            # hear it, so a read right after the wake-up can miss it, and nothing else would
+            # come before the safety net (the missed wake-ups of #31). The list was read after
+            # the subscription began: nothing since is missing from the two together.
+            if replicas is not None and served_by_all(name, replicas, wake.latest.values(), joined=True):
+                wake.satisfied()
+                return
+            replicas = await project_replicas(await self._js(), model.project, model.name)
+            if served_by_all(name, replicas, wake.latest.values(), joined=False):
+                wake.satisfied()
+                return
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                lagging = [r.replica_id for r in replicas if name not in r.served]
+                raise TimeoutError(f"{name} not served within {timeout_s}s by {lagging}")
+            await wake.wait(min(remaining, _RECHECK_S))
 
     async def delete_checkpoints(
         self,

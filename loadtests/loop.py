@@ -22,9 +22,10 @@ returns once the replica serves the new step. The time is split into:
 - trainer other: the rest of ``step_total_s`` (the adapter and the state stored and
   ``checkpoint.staged`` and ``checkpoint.saved`` published, the step recorded in PostgreSQL, the
   registry advanced; the step's disk write runs beside these and after them);
-- until served: ``train.completed`` received until ``model.train()`` returns: the publisher's
-  Object Store upload and ``checkpoint.published``, the replica's fetch and load, and its registry
-  entry, which wakes the SDK.
+- until served: ``train.completed`` received until ``model.train()`` returns: what is left of
+  the replica's load of the step as saved (fetched, and on vLLM read by the engine, since
+  ``checkpoint.staged``) and of its registry entry, which the SDK has followed since it asked
+  for the step; next to nothing where the replica served the step before the answer came.
 
 ``phases_mean_s`` follows the hand-offs as this process hears them (``EventClock``: plain
 subscriptions to ``group.ready``, ``checkpoint.staged``, ``checkpoint.saved``,

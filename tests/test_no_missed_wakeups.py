@@ -99,22 +99,39 @@ def _trajectory(reward: float) -> art.Trajectory:
     return art.Trajectory(messages_and_choices=messages, reward=reward)
 
 
-async def test_train_reads_the_step_and_the_replica_list_once(nats_server, js, monkeypatch):
+@pytest.mark.parametrize("served_first", [True, False], ids=["served-before-the-answer", "served-after"])
+async def test_train_reads_the_step_once_and_the_replica_list_while_it_trains(
+    nats_server, js, monkeypatch, served_first
+):
     """Every read on the way of a step is waiting, not work (#31). This test is the trainer and the
     replica: the request names the step ``publish`` read for the groups (no second registry read),
-    and the replica list is read once, while the replica still loads; the entry that then says it
-    serves the step wakes ``train()``, which returns without asking for the list again."""
+    and the replica list is read while the step trains. A replica that serves the step before
+    its answer arrives (it loads the step as saved) wakes nothing: ``train()`` finds it served
+    once answered, without asking for the list again. One that serves it after the answer is
+    read again once (the membership may have changed while the step trained), and its entry
+    wakes ``train()``."""
     project, name = "reads", "agent"
     kv = await js.key_value(subjects.REPLICAS_BUCKET)
     key = subjects.replica_key(project, name, "r1")
     loading = ReplicaInfo(replica_id="r1", project=project, model=name, engine="e", url="u", served=[name])
     await kv.put(key, encode(loading))
+    reads_before_serving = 1 if served_first else 2
+    read_enough = asyncio.Event()
+
+    async def replica_serves() -> None:
+        await read_enough.wait()
+        await kv.put(key, encode(msgspec.structs.replace(loading, served=[name, f"{name}@1"])))
 
     requests: list[TrainRequested] = []
+    serving: list[asyncio.Task] = []
 
     async def trainer(msg) -> None:
         request = msgspec.json.decode(msg.data, type=TrainRequested)
         requests.append(request)
+        if served_first:
+            await replica_serves()  # before the answer, from the same connection: heard first
+        else:
+            serving.append(asyncio.create_task(replica_serves()))
         done = TrainCompleted(
             id=new_event_id(), project=project, model=name, step=1, request_id=request.id, metrics={}
         )
@@ -126,7 +143,6 @@ async def test_train_reads_the_step_and_the_replica_list_once(nats_server, js, m
     backend = art.Backend(nats_url=nats_server.url)
     step_reads, list_reads = [], []
     read_step, read_list = backend._get_step, artery_backend.project_replicas
-    listed = asyncio.Event()
 
     async def counted_step(model):
         step_reads.append(model.name)
@@ -135,26 +151,23 @@ async def test_train_reads_the_step_and_the_replica_list_once(nats_server, js, m
     async def counted_list(*args, **kwargs):
         replicas = await read_list(*args, **kwargs)
         list_reads.append([r.served for r in replicas])
-        listed.set()
+        if len(list_reads) == reads_before_serving:
+            read_enough.set()
         return replicas
-
-    async def replica_loads() -> None:
-        await listed.wait()  # the SDK has the list and waits: the replica now serves the step
-        await kv.put(key, encode(msgspec.structs.replace(loading, served=[name, f"{name}@1"])))
 
     monkeypatch.setattr(backend, "_get_step", counted_step)
     monkeypatch.setattr(artery_backend, "project_replicas", counted_list)
     model = art.TrainableModel(name=name, project=project, base_model=TINY)
     before = fallbacks_fired()
-    loads = asyncio.create_task(replica_loads())
     try:
         result = await backend.train(model, [art.TrajectoryGroup([_trajectory(0.0), _trajectory(1.0)])])
     finally:
         await backend.close()
-    await loads
+    await asyncio.gather(*serving)
     assert result.step == 1
     assert [r.step for r in requests] == [0] and step_reads == [name]
-    assert list_reads == [[[name]]], "the replica list was read again after the entry woke train()"
+    # Every read found the replica still loading: none was made after it served the step.
+    assert list_reads == [[[name]]] * reads_before_serving
     assert fallbacks_fired() == before
 
 
