@@ -317,8 +317,9 @@ class Backend(S3Transport):
         group_ids: list[str],
         submitted: _Submission,
         timeout_s: float | None,
-    ) -> TrainCompleted | TrainFailed:
-        """Publish the train request for ``group_ids`` and await its outcome."""
+    ):
+        """Publish the train request for ``group_ids`` and await its outcome (``TrainCompleted``
+        or ``TrainFailed``)."""
         nc = await self._connect()
         outcome_subject = subjects.train("*", model.project, model.name)
         sub = await nc.subscribe(outcome_subject)  # before publishing, so no answer is missed

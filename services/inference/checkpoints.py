@@ -464,10 +464,11 @@ class CheckpointWatcher:
         if ahead is not None:
             path, source, preloaded = ahead.path, "staged", ahead.preloaded
         else:
-            path, source, preloaded = await self._fetch_and_unpack(step, name, event), "published", None
-            if path is None:
+            fetched = await self._fetch_and_unpack(step, name, event)
+            if fetched is None:
                 self._refuse(step, event.sha256)
                 return None
+            path, source, preloaded = fetched, "published", None
         if await self._serve(step, name, path, event.sha256, source=source, preloaded=preloaded):
             self._settled[step] = event.sha256
             return name
