@@ -508,6 +508,43 @@ async def test_a_staged_adapter_read_ahead_by_vllm_serves_once_saved_and_stale_b
             await _wait(lambda step=step: served_everywhere(js, f"{MODEL}@{step}", present=False), timeout=60)
 
 
+async def test_a_step_republished_with_other_bytes_reuses_no_prompt_cache_of_the_bytes_before(
+    replicas, nc, tmp_path
+):
+    """vLLM keeps a prompt's KV blocks for later prompts with the same prefix, keyed by the
+    adapter's name and path. A step re-published with other bytes is served under the same served
+    name from the same directory; its prompts must not reuse blocks computed with the bytes
+    before (``vllm_engine._vllm_name``)."""
+    js = nc.jetstream()
+    before, after = [await asyncio.to_thread(trainer_adapter, tmp_path / str(s), s) for s in (4, 5)]
+    # Several of vLLM's KV blocks long, so that its prefix cache holds whole blocks of it.
+    story = " ".join(f"Line {i}: the fox ran past the old mill and into the wood." for i in range(60))
+    prompt = {"messages": [{"role": "user", "content": f"{story}\nWhat did the fox do?"}], "max_tokens": 8}
+    name = f"{MODEL}@31"
+    object_name = await publish_adapter(js, 31, before)
+    try:
+        await _wait(lambda: served_everywhere(js, name), timeout=120)
+        first = await both(replicas, **prompt, model=name)  # the prompt's blocks, with ``before``
+        await publish_adapter(js, 31, after)
+        await _wait(lambda: loaded_everywhere(replicas, name, sha256_hex(after)), timeout=120)
+        again = await both(replicas, **prompt, model=name)
+        tokens = {e: again[e]["choices"][0]["token_ids"] for e in ENGINES}
+        assert tokens["vllm"] == tokens["transformers"]
+        assert tokens["transformers"] != first["transformers"]["choices"][0]["token_ids"]  # the bytes matter
+    finally:
+        await delete_adapter(js, 31, object_name)
+        await _wait(lambda: served_everywhere(js, name, present=False), timeout=60)
+
+
+async def loaded_everywhere(replicas, name: str, sha256: str) -> bool:
+    """Whether each replica's newest load of ``name`` (its log) is of ``sha256``."""
+    for engine in ENGINES:
+        loads = [e for e in log_events(replicas, engine, "adapter loaded") if e.get("served_name") == name]
+        if not loads or loads[-1].get("sha256") != sha256:
+            return False
+    return True
+
+
 def saved_as(fields: dict) -> CheckpointSaved:
     return CheckpointSaved(id=new_event_id(), metrics={}, **fields)
 

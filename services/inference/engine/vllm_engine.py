@@ -277,7 +277,8 @@ class VLLMEngine:
         """Load (or replace) adapter ``name``: a PEFT LoRA in safetensors (pickles are refused)."""
         from vllm.lora.request import LoRARequest
 
-        request = LoRARequest(lora_name=name, lora_int_id=next(self._lora_ids), lora_path=str(path))
+        lora_id = next(self._lora_ids)
+        request = LoRARequest(lora_name=_vllm_name(name, lora_id), lora_int_id=lora_id, lora_path=str(path))
         await self._add(request)
         await self._serve_as(name, request)
 
@@ -309,7 +310,10 @@ class VLLMEngine:
             raise UnknownAdapter(key)
         # vLLM keys an adapter by its id; the name is this engine's. Were it pushed out of
         # vLLM's cache meanwhile, the first request reads it again from the same files.
-        request = LoRARequest(lora_name=name, lora_int_id=ahead.lora_int_id, lora_path=ahead.lora_path)
+        lora_id = ahead.lora_int_id
+        request = LoRARequest(
+            lora_name=_vllm_name(name, lora_id), lora_int_id=lora_id, lora_path=ahead.lora_path
+        )
         await self._serve_as(name, request)
 
     async def drop_preloaded(self, key: str) -> None:
@@ -369,3 +373,11 @@ class VLLMEngine:
         if self._engine is not None:
             self._engine.shutdown()
             self._engine = None
+
+
+def _vllm_name(name: str, lora_id: int) -> str:
+    """The name vLLM knows a loaded adapter by: the served name and the load's id. vLLM keys the
+    prefix cache's blocks by an adapter's name and path, and a step re-published with other bytes
+    is served under the same name from the same directory: under the same vLLM name, a prompt
+    would reuse blocks computed with the bytes before."""
+    return f"{name}#{lora_id}"
