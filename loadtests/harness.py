@@ -245,14 +245,16 @@ async def until_idle(pids: list[int], timeout_s: float = 10.0) -> Quiet:
     servers' CPU time is the only signal of that; nothing announces it."""
     tree = [p for pid in pids for p in process_tree(pid)]
     started = time.monotonic()
+    used = sum(proc_cpu_s(p) for p in tree)
     while True:
-        used = sum(proc_cpu_s(p) for p in tree)
         await asyncio.sleep(IDLE_WINDOW_S)  # the window the CPU time is read over
         waited = time.monotonic() - started
-        if sum(proc_cpu_s(p) for p in tree) - used <= IDLE_CORE_SHARE * IDLE_WINDOW_S:
+        now = sum(proc_cpu_s(p) for p in tree)  # this window's end is the next one's start
+        if now - used <= IDLE_CORE_SHARE * IDLE_WINDOW_S:
             return Quiet(waited, True)
         if waited >= timeout_s:
             return Quiet(waited, False)
+        used = now
 
 
 def machine_busy_s() -> float:

@@ -341,9 +341,7 @@ def parse_args(argv: list[str]) -> Config:
     )
     if min(sizes) < 1 or args.warmup < 0 or args.group_size < 2:
         parser.error("sizes and --steps must be positive, --group-size at least 2, --warmup >= 0")
-    import torch
-
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = args.device or ("cuda" if harness.gpu_present() else "cpu")
     on_gpu = device.startswith("cuda")
     return Config(
         shape=args.shape or ("qwen3-0.6b" if on_gpu else "tiny"),

@@ -121,10 +121,9 @@ def read_state(data: bytes) -> StoredState:
         _check_state_member(name)
     _check_unique(members, "the step's state")
     files = [(name, content) for name, content in members if name != ADAPTER_DIGEST]
-    holds_adapter = any(name.startswith(f"{ADAPTER_DIR}/") for name, _ in files)
-    if len(files) == len(members):
+    if len(files) == len(members):  # an archive of before: it holds adapter/ itself
         return StoredState(files=files, adapter=None)
-    if holds_adapter:
+    if any(name.startswith(f"{ADAPTER_DIR}/") for name, _ in files):
         raise ModelUnusable(f"the step's state holds {ADAPTER_DIR}/ and names another adapter")
     content = dict(members)[ADAPTER_DIGEST]
     try:

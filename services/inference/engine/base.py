@@ -111,8 +111,8 @@ class Engine(Protocol):
 class PreloadsAdapters(Protocol):
     """An engine that can read an adapter ahead of serving it (vLLM: its engine core parses the
     files and builds the LoRA's tensors), so that serving it once the step is saved is a matter
-    of naming it. The replica preloads a step's
-    adapter when the trainer stages it (``checkpoints``)."""
+    of naming it. The replica preloads a step's adapter when the trainer stages it
+    (``checkpoints``)."""
 
     async def preload_adapter(self, key: str, path: Path) -> None:
         """Read the adapter in ``path`` under ``key``, which serves nothing; ``EngineError`` if it
