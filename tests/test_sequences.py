@@ -451,6 +451,91 @@ def test_tokenize_conversation_is_deterministic(tok: Any) -> None:
     assert len(a) == 1 and a[0].input_ids == b[0].input_ids and a[0].assistant_mask == b[0].assistant_mask
 
 
+class CountingTokenizer:
+    """The tokenizer, counting the chat template's renderings."""
+
+    def __init__(self, tok: Any) -> None:
+        self.tok = tok
+        self.renders = 0
+
+    def apply_chat_template(self, *args: Any, **kwargs: Any) -> Any:
+        self.renders += 1
+        return self.tok.apply_chat_template(*args, **kwargs)
+
+    def __len__(self) -> int:
+        return len(self.tok)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.tok, name)
+
+
+def _asked(tok: Any, question: str, answer: str) -> Trajectory:
+    return Trajectory(
+        messages=[
+            Message(role="system", content="answer briefly"),
+            Message(role="user", content=question),
+            Message(role="assistant", content=answer, sample=sample_of(tok, answer)),
+        ]
+    )
+
+
+def test_a_groups_shared_prompt_is_rendered_once_per_step(tok: Any) -> None:
+    groups = [
+        [_asked(tok, "count to three", a) for a in ("one two three", "1 2 3", "one, two, three")],
+        [_asked(tok, "name a colour", a) for a in ("red", "blue")],
+        # Same words, other roles: another prompt, never the first group's.
+        [
+            Trajectory(
+                messages=[
+                    Message(role="user", content="answer briefly"),
+                    Message(role="user", content="count to three"),
+                    Message(role="assistant", content="three", sample=sample_of(tok, "three")),
+                ]
+            )
+        ],
+    ]
+    advantages = [[1.0, -0.5, 0.5], [1.0, -1.0], [1.0]]
+    counting = CountingTokenizer(tok)
+    shared, _ = build_sequences(groups, advantages, counting, max_seq_len=4096)
+    assert counting.renders == 3  # one per distinct prompt, not one per rollout (6)
+
+    alone = []
+    for g, (group, adv) in enumerate(zip(groups, advantages, strict=True)):
+        for t, (trajectory, a) in enumerate(zip(group, adv, strict=True)):
+            made, *_ = trajectory_sequences(
+                trajectory, a, tok, max_seq_len=4096, group_index=g, trajectory_index=t
+            )
+            alone += made
+    assert [(s.input_ids, s.assistant_mask, s.advantage) for s in shared] == [
+        (s.input_ids, s.assistant_mask, s.advantage) for s in alone
+    ]
+    system, user = "system", "user"
+    expected = [
+        [(system, "answer briefly"), (user, "count to three")],
+        [(system, "answer briefly"), (user, "name a colour")],
+        [(user, "answer briefly"), (user, "count to three")],
+    ]
+    prompts = {tuple(s.input_ids[: s.assistant_mask.index(1)]) for s in shared}
+    assert prompts == {
+        tuple(engine_prompt(tok, [{"role": r, "content": c} for r, c in messages])) for messages in expected
+    }
+
+
+def test_a_prompt_json_cannot_key_is_rendered_each_time(tok: Any) -> None:
+    from artery.services.trainer.conversation import Prompts
+    from artery.shared.chat_template import ChatInput
+
+    class Opaque:  # a template variable JSON cannot encode: no key, so no sharing
+        def __str__(self) -> str:
+            return "opaque"
+
+    chat = ChatInput.of([Message(role="user", content="hi")], None, {"extra": Opaque()})
+    prompts = Prompts()
+    first = prompts.token_ids(chat, tok)
+    assert prompts.token_ids(chat, tok) == first == chat.prompt_token_ids(tok)
+    assert prompts.rendered == 2
+
+
 # --------------------------------------------------------------------------- padding and shifting
 
 

@@ -18,14 +18,20 @@ sequence is then tokens the engine really saw, and every sampled token is traine
 
 The conversation is cut after the last trained message. The prompt is what the engine saw
 provided the agent sent the conversation back as the trajectory stores it.
+
+The rollouts of a group are usually sampled from one prompt: ``Prompts`` renders each distinct
+prompt once per step instead of once per rollout (the chat template is most of the preparation's
+time).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
+
+import msgspec
 
 from artery.schemas import Message, Tool
 from artery.shared.chat_template import ChatInput, ChatTemplateError, UnsupportedContent
@@ -63,6 +69,31 @@ class Tokens:
     logprobs: list[float]
 
 
+class Prompts:
+    """Prompt token ids by the chat input they were rendered from, for one step's conversations.
+
+    The key is the input's JSON: equal JSON is an equal input for the template, which sees only
+    JSON-shaped values. An input JSON cannot encode is rendered each time, never cached."""
+
+    def __init__(self) -> None:
+        self._ids: dict[bytes, list[int]] = {}
+        self.rendered = 0
+
+    def token_ids(self, chat: ChatInput, tokenizer: Any) -> list[int]:
+        try:
+            key = msgspec.json.encode((chat.messages, chat.tools, chat.variables))
+        except (TypeError, msgspec.EncodeError):
+            return self._render(chat, tokenizer)
+        ids = self._ids.get(key)
+        if ids is None:
+            ids = self._ids[key] = self._render(chat, tokenizer)
+        return ids
+
+    def _render(self, chat: ChatInput, tokenizer: Any) -> list[int]:
+        self.rendered += 1
+        return _render(chat.prompt_token_ids, tokenizer)
+
+
 def is_trainable(message: Message, allow_training_without_logprobs: bool = False) -> bool:
     if message.role != "assistant":
         return False
@@ -78,9 +109,12 @@ def tokenize_conversation(
     *,
     allow_training_without_logprobs: bool = False,
     chat_template_kwargs: Mapping[str, Any] | None = None,
+    prompts: Prompts | None = None,
 ) -> list[Tokens]:
     """The conversation's sequences (one, or several where a turn does not continue the tokens
-    before it), untruncated. Raises ``SequenceError``."""
+    before it), untruncated. Raises ``SequenceError``. ``prompts``: shared with the step's other
+    conversations (None: this one's own)."""
+    prompts = Prompts() if prompts is None else prompts
     trained = [i for i, m in enumerate(messages) if is_trainable(m, allow_training_without_logprobs)]
     if not trained:
         raise SequenceError("no_trainable_message")
@@ -95,7 +129,7 @@ def tokenize_conversation(
     parts: list[Tokens] = []
     for i in trained:
         if messages[i].sample is not None:
-            turn = _sampled_turn(chat, messages[i], i, tokenizer)
+            turn = _sampled_turn(chat, messages[i], i, tokenizer, prompts)
         else:
             turn = _template_turn(chat, messages, i, tokenizer)
         if parts and _continues(turn, parts[-1]):
@@ -105,19 +139,19 @@ def tokenize_conversation(
     return parts
 
 
-def _render(render: Any, *args: Any) -> Any:
+def _render(render: Callable[..., Any], *args: Any) -> Any:
     try:
         return render(*args)
     except ChatTemplateError as exc:
         raise SequenceError("template", str(exc)) from exc
 
 
-def _sampled_turn(chat: ChatInput, message: Message, index: int, tokenizer: Any) -> Tokens:
+def _sampled_turn(chat: ChatInput, message: Message, index: int, tokenizer: Any, prompts: Prompts) -> Tokens:
     """The turn's prompt, as the inference service rendered it, and the sample verbatim."""
     sample = message.sample
     assert sample is not None
     check_sample(message, len(tokenizer))
-    prompt = _render(chat.before(index).prompt_token_ids, tokenizer)
+    prompt = prompts.token_ids(chat.before(index), tokenizer)
     return Tokens(
         input_ids=[*prompt, *sample.token_ids],
         assistant_mask=[0] * len(prompt) + [1] * len(sample.token_ids),

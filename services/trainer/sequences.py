@@ -33,6 +33,7 @@ from artery.schemas import Trajectory
 from artery.services.trainer.conversation import (
     NAN,
     DropReason,
+    Prompts,
     SequenceError,
     fit_length,
     tokenize_conversation,
@@ -133,9 +134,11 @@ def trajectory_sequences(
     trajectory_index: int = 0,
     allow_training_without_logprobs: bool = False,
     chat_template_kwargs: Mapping[str, Any] | None = None,
+    prompts: Prompts | None = None,
 ) -> tuple[list[TrainingSequence], list[Cut], list[Dropped], int]:
     """The sequences of one trajectory (its messages, then each additional history), its cuts,
-    its drops, and how many sequences splitting conversations added."""
+    its drops, and how many sequences splitting conversations added. ``prompts``: the step's
+    rendered prompts (``conversation.Prompts``)."""
     where = _Trajectory(group_index=group_index, trajectory_index=trajectory_index)
     if advantage == 0.0:
         return [], [], [Dropped(**where, history_index=None, reason="zero_advantage")], 0
@@ -153,6 +156,7 @@ def trajectory_sequences(
                 tokenizer,
                 allow_training_without_logprobs=allow_training_without_logprobs,
                 chat_template_kwargs=chat_template_kwargs,
+                prompts=prompts,
             )
         except SequenceError as exc:
             dropped.append(
@@ -195,6 +199,7 @@ def build_sequences(
     cuts: list[Cut] = []
     dropped: list[Dropped] = []
     seen = used = split = 0
+    prompts = Prompts()  # a group's rollouts share their prompt: rendered once
     for group_index, (group, group_adv) in enumerate(zip(groups, advantages, strict=True)):
         for trajectory_index, (trajectory, advantage) in enumerate(zip(group, group_adv, strict=True)):
             made, cut, drop, more = trajectory_sequences(
@@ -206,6 +211,7 @@ def build_sequences(
                 trajectory_index=trajectory_index,
                 allow_training_without_logprobs=allow_training_without_logprobs,
                 chat_template_kwargs=chat_template_kwargs,
+                prompts=prompts,
             )
             seen += 1
             used += bool(made)
