@@ -58,8 +58,9 @@ prepare-model: $(SMOLLM2_STAMP)
 # so that the first demo after set-up does not spend its start compiling.
 ENGINE_STAMP := $(VLLM_VENV)/.smollm2-compiled
 
-$(ENGINE_STAMP): $(VLLM_STAMP) $(SMOLLM2_STAMP)
-	$(PY) -m artery.shared.smollm2 --download
+# prepare-model order-only: the converted model must be there, but re-checking it (always run, as
+# it is phony) does not compile again.
+$(ENGINE_STAMP): $(VLLM_STAMP) $(SMOLLM2_STAMP) | prepare-model
 	$(PY) -m artery.ops.engine_warmup
 	touch $(ENGINE_STAMP)
 

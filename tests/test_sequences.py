@@ -530,10 +530,10 @@ def test_a_prompt_json_cannot_key_is_rendered_each_time(tok: Any) -> None:
             return "opaque"
 
     chat = ChatInput.of([Message(role="user", content="hi")], None, {"extra": Opaque()})
-    prompts = Prompts()
-    first = prompts.token_ids(chat, tok)
-    assert prompts.token_ids(chat, tok) == first == chat.prompt_token_ids(tok)
-    assert prompts.rendered == 2
+    prompts, counting = Prompts(), CountingTokenizer(tok)
+    first = prompts.token_ids(chat, counting)
+    assert prompts.token_ids(chat, counting) == first == chat.prompt_token_ids(tok)
+    assert counting.renders == 2
 
 
 # --------------------------------------------------------------------------- padding and shifting

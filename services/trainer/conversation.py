@@ -77,21 +77,16 @@ class Prompts:
 
     def __init__(self) -> None:
         self._ids: dict[bytes, list[int]] = {}
-        self.rendered = 0
 
     def token_ids(self, chat: ChatInput, tokenizer: Any) -> list[int]:
         try:
             key = msgspec.json.encode((chat.messages, chat.tools, chat.variables))
         except (TypeError, msgspec.EncodeError):
-            return self._render(chat, tokenizer)
+            return _render(chat.prompt_token_ids, tokenizer)
         ids = self._ids.get(key)
         if ids is None:
-            ids = self._ids[key] = self._render(chat, tokenizer)
+            ids = self._ids[key] = _render(chat.prompt_token_ids, tokenizer)
         return ids
-
-    def _render(self, chat: ChatInput, tokenizer: Any) -> list[int]:
-        self.rendered += 1
-        return _render(chat.prompt_token_ids, tokenizer)
 
 
 def is_trainable(message: Message, allow_training_without_logprobs: bool = False) -> bool:
