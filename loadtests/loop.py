@@ -18,10 +18,9 @@ returns once the replica serves the new step. The time is split into:
   completion coming back;
 - pause / training / save: the trainer's ``pause_s`` (pausing every replica, after loading the
   policy on its first step), ``step_time_s`` (the GRPO step) and ``save_s`` (the adapter and
-  optimizer state taken as files in memory, and the adapter stored meanwhile, while the replicas
-  resume);
-- trainer other: the rest of ``step_total_s`` (``checkpoint.staged`` published, the state stored
-  and ``checkpoint.saved`` published, the step recorded in PostgreSQL, the
+  optimizer state taken as files in memory, while the replicas resume);
+- trainer other: the rest of ``step_total_s`` (the adapter and the state stored and
+  ``checkpoint.staged`` and ``checkpoint.saved`` published, the step recorded in PostgreSQL, the
   registry advanced; the step's disk write runs beside these and after them);
 - until served: ``train.completed`` received until ``model.train()`` returns: what is left of
   the replica's load of the step as saved (fetched, and on vLLM read by the engine, since

@@ -15,10 +15,7 @@ because the caller is being cancelled still finishes.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
-from typing import Any, TypeVar
-
-_T = TypeVar("_T")
+from typing import Any
 
 
 async def cancel_and_wait(task: asyncio.Future[Any]) -> None:
@@ -41,15 +38,3 @@ async def settled(future: asyncio.Future[Any]) -> BaseException | None:
     as "never retrieved". A cancellation of the caller during the wait is raised."""
     await asyncio.wait([future])
     return None if future.cancelled() else future.exception()
-
-
-async def in_thread_to_the_end(fn: Callable[..., _T], /, *args: Any) -> _T:
-    """``asyncio.to_thread``, except that a cancellation of the caller waits until the thread,
-    which cannot be stopped, has ended before it goes on: what the thread reads (a model's
-    parameters) is not changed under it by whatever the cancellation does next."""
-    future = asyncio.ensure_future(asyncio.to_thread(fn, *args))
-    try:
-        return await asyncio.shield(future)
-    except asyncio.CancelledError:
-        await settled(future)
-        raise

@@ -4,11 +4,10 @@ the trainer step that waits for its save before an error goes on."""
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import pytest
 
-from artery.shared.tasks import cancel_and_wait, in_thread_to_the_end, settled
+from artery.shared.tasks import cancel_and_wait, settled
 
 
 async def _forever() -> None:
@@ -112,30 +111,3 @@ async def test_settled_waits_for_unstoppable_work_and_returns_its_failure():
     failure = await settled(saving)
     assert isinstance(failure, OSError) and ended == ["saved"]
     assert await settled(asyncio.ensure_future(asyncio.to_thread(ended.append, "again"))) is None
-
-
-async def test_a_thread_run_to_the_end_outlives_the_callers_cancellation():
-    """Cancelled while its thread runs, the caller ends only once the thread has ended (with
-    plain ``asyncio.to_thread`` it ends at once, the thread still running), and the cancellation
-    is not swallowed; uncancelled, the thread's result comes back."""
-    started, release = threading.Event(), threading.Event()
-    order: list[str] = []
-
-    def copy_parameters() -> str:
-        started.set()
-        release.wait(30)
-        order.append("thread ended")
-        return "copied"
-
-    task = asyncio.ensure_future(in_thread_to_the_end(copy_parameters))
-    task.add_done_callback(lambda _: order.append("caller ended"))
-    await asyncio.to_thread(started.wait, 30)
-    task.cancel()
-    for _ in range(5):  # loop turns, no timer: enough for a plain to_thread caller to end
-        await asyncio.sleep(0)
-    assert not task.done()
-    release.set()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    assert order == ["thread ended", "caller ended"]
-    assert await in_thread_to_the_end(str.upper, "done") == "DONE"

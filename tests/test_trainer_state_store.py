@@ -12,7 +12,6 @@ import io
 import json
 import shutil
 import tarfile
-import threading
 
 import msgspec
 import pytest
@@ -25,7 +24,6 @@ from artery.schemas import (
     CheckpointStaged,
     DeadLetter,
     ModelRecord,
-    TrainCompleted,
     TrainConfig,
     TrainRequested,
     new_event_id,
@@ -470,82 +468,3 @@ async def test_each_role_reaches_the_store_as_its_permissions_say(secured, tmp_p
     await agent.denied(hint_subject, agent.nc.publish(hint_subject, b"{}"))
     await agent.denied(hint_subject, agent.nc.subscribe(hint_subject), what="Subscription")
     assert await trainer_state.get(trainer.js, name) == data
-
-
-async def test_the_adapter_is_stored_while_the_rest_of_the_step_is_taken(nc, js):
-    """A trained step is taken adapter first, and the adapter goes to the store while the rest
-    (the optimizer state, about twice its size) is copied: here the state's copy waits until the
-    store announces the adapter's metadata, which never happens if storing waited for the whole
-    step. What is taken is the step ``snapshot_step`` takes in one piece."""
-    policy = Policy.create(TINY)
-    asked = request()
-    name = trainer_state.object_name(PROJECT, MODEL, 1, trainer_state.ADAPTER)
-    stored_seen = threading.Event()
-
-    # The store writes an object's metadata after all its chunks: a plain subscription hears it.
-    async def heard(msg) -> None:
-        stored_seen.set()
-
-    sub = await nc.subscribe(f"$O.{trainer_state.BUCKET}.M.>", cb=heard)
-    await nc.flush()
-    state_files = policy.state_files
-
-    def state_files_once_the_adapter_is_stored() -> list[tuple[str, bytes]]:
-        assert stored_seen.wait(30), "the adapter was not stored while the state was taken"
-        return state_files()
-
-    policy.state_files = state_files_once_the_adapter_is_stored  # type: ignore[method-assign]
-    try:
-        files, stored = await announce.snapshot_and_store_adapter(js, policy, asked, 1, {"loss": 0.5})
-    finally:
-        policy.state_files = state_files  # type: ignore[method-assign]
-        await sub.unsubscribe()
-    assert stored.name == name and stored.size_bytes == len(files.adapter_tar)
-    assert await trainer_state.get(js, name, sha256=stored.sha256) == files.adapter_tar
-    assert files == step_files.snapshot_step(policy, 1, asked.id, {"loss": 0.5})
-
-
-async def test_a_step_whose_adapter_was_not_stored_is_trained_again_from_the_saved_step(
-    nc, js, db, database_url, tmp_path, monkeypatch
-):
-    """The store refuses the step's adapter once (NATS away): the request is handed back, and its
-    retry starts from the step saved before, loaded again, never from the policy in memory, which
-    holds the step that was not saved (training on it would take that step twice)."""
-    from artery.services.collector.store import StoredGroup, write_groups
-    from artery.services.trainer import service as trainer_service
-    from tests.factories import register_trainable
-    from tests.test_db_faults import MODEL as DB_MODEL
-    from tests.test_db_faults import PROJECT as DB_PROJECT
-    from tests.test_db_faults import text_group
-    from tests.test_trainer_budgets import Answers, running_trainer, settings_for
-    from tests.test_trainer_budgets import request as train_request
-
-    await register_trainable(js, DB_PROJECT, DB_MODEL, TINY)
-    groups = [text_group(seed) for seed in range(2)]
-    await write_groups(db, [StoredGroup.of(g, None) for g in groups])
-    refused: list[int] = []
-    store = announce.store_adapter
-
-    async def refused_once(js, request, step, adapter):
-        if not refused:
-            refused.append(step)
-            raise DependencyUnavailable("the trainer-state store is away")
-        return await store(js, request, step, adapter)
-
-    monkeypatch.setattr(announce, "store_adapter", refused_once)
-    loads: list[int] = []
-    load = PolicyCache._load
-
-    def counted(self, rec, step):
-        loads.append(step)
-        return load(self, rec, step)
-
-    monkeypatch.setattr(PolicyCache, "_load", counted)
-    assert trainer_service.announce is announce
-    settings = settings_for(tmp_path)
-    async with Answers(js, DB_PROJECT, DB_MODEL) as answers, running_trainer(nc, database_url, settings):
-        asked = await train_request(js, DB_PROJECT, DB_MODEL, [g.id for g in groups])
-        completed = await answers.of(asked.id)
-    assert isinstance(completed, TrainCompleted) and completed.step == 1, completed
-    assert refused == [1]
-    assert loads == [0, 0], "the retry trained on the policy in memory, which held the unsaved step"

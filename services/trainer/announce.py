@@ -12,10 +12,8 @@ publishes the same events again and JetStream drops the repeats.
 from __future__ import annotations
 
 import asyncio
-import functools
 import math
 import uuid
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -31,7 +29,6 @@ from artery.schemas import (
     TrainRequest,
 )
 from artery.services.trainer import step_files
-from artery.services.trainer.policy import Policy
 from artery.shared import subjects, trainer_state
 from artery.shared.adapters import sha256_hex
 from artery.shared.bus import derived_id, event_headers, publish_event
@@ -41,7 +38,6 @@ from artery.shared.logs import get_logger
 from artery.shared.metrics import PAUSE_SECONDS, STEP_SECONDS, TRAINER_TOKENS, TRAINER_TOKENS_PER_SECOND
 from artery.shared.registry import read_record
 from artery.shared.served_name import served_name
-from artery.shared.tasks import in_thread_to_the_end, settled
 
 log = get_logger(__name__)
 _IDS = uuid.UUID("5b2d8f0e-6a1c-4f4e-9d55-747261696e21")
@@ -69,46 +65,6 @@ def finite(metrics: dict) -> dict[str, float]:
     return {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and math.isfinite(v)}
 
 
-@dataclass(frozen=True)
-class StoredAdapter:
-    """A step's ``adapter.tar`` as the trainer-state store holds it."""
-
-    name: str
-    sha256: str
-    size_bytes: int
-
-
-async def store_adapter(
-    js: JetStreamContext, request: TrainRequest, step: int, adapter: bytes
-) -> StoredAdapter:
-    """Put a step's ``adapter.tar`` in the trainer-state store, hashed once (for the store and
-    both announcements). Storing is not announcing: a step whose adapter is stored and which is
-    never announced (its model's lease lost) is trained again into the same name, and a resuming
-    worker looks for states, never adapters."""
-    name = trainer_state.object_name(request.project, request.model, step, trainer_state.ADAPTER)
-    sha256 = await asyncio.to_thread(sha256_hex, adapter)
-    await trainer_state.put(js, name, adapter, sha256=sha256)
-    return StoredAdapter(name=name, sha256=sha256, size_bytes=len(adapter))
-
-
-async def snapshot_and_store_adapter(
-    js: JetStreamContext, policy: Policy, request: TrainRequest, step: int, step_metrics: dict
-) -> tuple[step_files.StepFiles, StoredAdapter]:
-    """The step ``policy`` has just taken, in memory, adapter first: the adapter is stored while
-    the rest (the optimizer state, about twice its size) is copied, so that it can be staged as
-    soon as the replicas have resumed. ``step_metrics`` go into the step's ``step.json``."""
-    # Each in a thread that ends before a cancellation goes on: the trainer drops the policy then.
-    adapter = await in_thread_to_the_end(step_files.snapshot_adapter, policy)
-    rest = functools.partial(step_files.snapshot_step, policy, step, request.id, step_metrics, adapter)
-    taking = asyncio.ensure_future(in_thread_to_the_end(rest))
-    try:
-        stored = await store_adapter(js, request, step, adapter.tar)
-    except BaseException:
-        await settled(taking)
-        raise
-    return await taking, stored
-
-
 async def publish_checkpoint(
     js: JetStreamContext,
     request: TrainRequest,
@@ -116,13 +72,11 @@ async def publish_checkpoint(
     step: int,
     metrics: dict,
     files: step_files.StepFiles,
-    stored: StoredAdapter | None = None,
 ) -> None:
     """Upload the saved step (its adapter and its state) to the trainer-state store and announce
     ``checkpoint.saved`` naming the adapter there (the publisher stores and announces it). A
     redelivered request uploads the same bytes again, which the store finds already there. The
     model's older steps are pruned later (``prune_stored_steps``), once the step is answered.
-    ``stored``: the adapter, stored already (``store_adapter``) while the state was taken.
 
     The adapter goes first, and ``checkpoint.staged`` says so: replicas fetch and unpack it while
     the state (twice the adapter's size, for AdamW's two moments) is packed and stored, and serve
@@ -131,22 +85,24 @@ async def publish_checkpoint(
     if record.base_model is None:  # never: the trainer refuses such a record before a step
         raise ValueError(f"a record of project {record.project} has no base model")
     project, model = request.project, request.model
-    if stored is None:
-        stored = await store_adapter(js, request, step, files.adapter_tar)
+    adapter = files.adapter_tar
+    name = trainer_state.object_name(project, model, step, trainer_state.ADAPTER)
+    sha256 = await asyncio.to_thread(sha256_hex, adapter)  # once: for the store and the announcements
+    await trainer_state.put(js, name, adapter, sha256=sha256)
     # What both announcements say of the adapter; the hint comes first, while the state is stored.
     adapter_fields: dict[str, Any] = {
         "project": project,
         "model": model,
         "step": step,
-        "uri": trainer_state.uri(stored.name),
-        "sha256": stored.sha256,
-        "size_bytes": stored.size_bytes,
+        "uri": trainer_state.uri(name),
+        "sha256": sha256,
+        "size_bytes": len(adapter),
         "base_model": record.base_model,
     }
     await stage(js, CheckpointStaged(id=request_event_id("staged", request), **adapter_fields))
     # Both stored before the announcement: a worker resuming this model after a crash finds the
     # state of every step announced (a step trained again would be announced under the same id).
-    state = await asyncio.to_thread(files.state_tar, stored.sha256)
+    state = await asyncio.to_thread(files.state_tar, sha256)
     await trainer_state.put(js, trainer_state.object_name(project, model, step, trainer_state.STATE), state)
     del state
     saved = CheckpointSaved(id=request_event_id("saved", request), metrics=finite(metrics), **adapter_fields)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import math
 import tempfile
 import threading
@@ -449,7 +450,6 @@ class Trainer(ConsumingService):
             return held is not None and held.lost
 
         already = checkpoints.step_for_request(self.settings, record, request.id)
-        stored: announce.StoredAdapter | None = None  # the adapter, when stored while the step was taken
         writing: asyncio.Future | None = None  # the step directory, written once the step is stored
         if already is not None:  # crashed after saving, before recording: publish what was saved
             new_step, metrics = already
@@ -477,29 +477,21 @@ class Trainer(ConsumingService):
                     new_step = step + 1
                     await self._confirm(held)  # a step of a model this worker lost is never saved
                     save_started = time.monotonic()
-                    saving = asyncio.ensure_future(
-                        announce.snapshot_and_store_adapter(
-                            self.js, policy, request, new_step, result.metrics
-                        )
+                    snapshot = functools.partial(
+                        step_files.snapshot_step, policy, new_step, request.id, result.metrics
                     )
+                    saving = asyncio.ensure_future(asyncio.to_thread(snapshot))
                     replicas_paused = len(lease.outcome.acked) if lease is not None else 0
             except BaseException:
                 # The block's exit failed or the step was cancelled while the replicas resumed: the
                 # snapshot runs in a thread, which cannot be stopped, so it ends before the error
                 # goes on (a retry never reads the policy beside it) and its failure is not lost.
-                if saving is not None:
-                    if (failure := await settled(saving)) is not None:
-                        log.warning("saving the step failed", step=step + 1, error=repr(failure))
-                    self.policies.forget(record)  # it holds a step that is not saved
+                if saving is not None and (failure := await settled(saving)) is not None:
+                    log.warning("saving the step failed", step=step + 1, error=repr(failure))
                 raise
-            # Taken, and its adapter stored, while the replicas resume (the block's exit): they
-            # serve the step before this one until this one is announced, and copying tensors
-            # needs no accelerator.
-            try:
-                files, stored = await saving
-            except BaseException:
-                self.policies.forget(record)  # trained, not saved: the next request reloads
-                raise
+            # Taken while the replicas resume (the block's exit): they serve the step before this
+            # one until this one is announced, and copying tensors needs no accelerator.
+            files = await saving
             metrics = {
                 **result.metrics,
                 **extra,
@@ -511,7 +503,7 @@ class Trainer(ConsumingService):
             self.policies.advance(record, new_step)
         try:
             await self._confirm(held)  # nor announced
-            await announce.publish_checkpoint(self.js, request, record, new_step, metrics, files, stored)
+            await announce.publish_checkpoint(self.js, request, record, new_step, metrics, files)
             if already is None:
                 # The disk is this worker's cache, written once the step is in the store (what
                 # every worker shares, and what a redelivered request finds if this worker dies

@@ -77,32 +77,13 @@ class StepFiles:
         )
 
 
-@dataclass(frozen=True)
-class StepAdapter:
-    """The adapter of the step a policy has just taken: its files and ``adapter.tar``."""
-
-    files: list[tuple[str, bytes]]
-    tar: bytes
-
-
-def snapshot_adapter(policy: Policy) -> StepAdapter:
-    """The adapter ``policy`` holds now, as files in memory and packed: taken before the rest of
-    the step (the optimizer state is about twice its size), so it can be stored meanwhile."""
-    files = policy.adapter_files()
-    return StepAdapter(files=files, tar=pack_files(files))
-
-
-def snapshot_step(
-    policy: Policy, step: int, request_id: str, metrics: dict, adapter: StepAdapter | None = None
-) -> StepFiles:
+def snapshot_step(policy: Policy, step: int, request_id: str, metrics: dict) -> StepFiles:
     """The step ``policy`` has just taken, as files in memory (``step.json``: the request that
-    produced it, and its metrics); ``adapter``: its adapter, taken already (``snapshot_adapter``)."""
+    produced it, and its metrics)."""
     record = json.dumps({"step": step, "request_id": request_id, "metrics": metrics}, default=float)
-    adapter = adapter if adapter is not None else snapshot_adapter(policy)
-    return StepFiles(
-        adapter=adapter.files,
+    return StepFiles.of(
+        adapter=policy.adapter_files(),
         state=sorted([*policy.state_files(), (STEP_FILE, record.encode())]),
-        adapter_tar=adapter.tar,
     )
 
 
