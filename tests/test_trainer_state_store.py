@@ -24,6 +24,7 @@ from artery.schemas import (
     CheckpointStaged,
     DeadLetter,
     ModelRecord,
+    TrainCompleted,
     TrainConfig,
     TrainRequested,
     new_event_id,
@@ -468,3 +469,47 @@ async def test_each_role_reaches_the_store_as_its_permissions_say(secured, tmp_p
     await agent.denied(hint_subject, agent.nc.publish(hint_subject, b"{}"))
     await agent.denied(hint_subject, agent.nc.subscribe(hint_subject), what="Subscription")
     assert await trainer_state.get(trainer.js, name) == data
+
+
+async def test_a_step_that_could_not_be_taken_in_memory_is_trained_again_from_the_saved_step(
+    nc, js, db, database_url, tmp_path, monkeypatch
+):
+    """Taking the trained step in memory fails once (out of memory): the request is retried, and
+    the retry starts from the step saved before, loaded again, never from the policy in memory,
+    which holds the step that was not saved (training on it would take that step twice)."""
+    from artery.services.collector.store import StoredGroup, write_groups
+    from tests.factories import register_trainable
+    from tests.test_db_faults import MODEL as DB_MODEL
+    from tests.test_db_faults import PROJECT as DB_PROJECT
+    from tests.test_db_faults import text_group
+    from tests.test_trainer_budgets import Answers, running_trainer, settings_for
+    from tests.test_trainer_budgets import request as train_request
+
+    await register_trainable(js, DB_PROJECT, DB_MODEL, TINY)
+    groups = [text_group(seed) for seed in range(2)]
+    await write_groups(db, [StoredGroup.of(g, None) for g in groups])
+    failed: list[int] = []
+    snapshot = step_files.snapshot_step
+
+    def fails_once(policy, step, *args):
+        if not failed:
+            failed.append(step)
+            raise MemoryError("the step's files did not fit")
+        return snapshot(policy, step, *args)
+
+    monkeypatch.setattr(step_files, "snapshot_step", fails_once)
+    loads: list[int] = []
+    load = PolicyCache._load
+
+    def counted(self, rec, step):
+        loads.append(step)
+        return load(self, rec, step)
+
+    monkeypatch.setattr(PolicyCache, "_load", counted)
+    settings = settings_for(tmp_path)
+    async with Answers(js, DB_PROJECT, DB_MODEL) as answers, running_trainer(nc, database_url, settings):
+        asked = await train_request(js, DB_PROJECT, DB_MODEL, [g.id for g in groups])
+        completed = await answers.of(asked.id)
+    assert isinstance(completed, TrainCompleted) and completed.step == 1, completed
+    assert failed == [1]
+    assert loads == [0, 0], "the retry trained on the policy in memory, which held the unsaved step"
