@@ -482,23 +482,20 @@ class Trainer(ConsumingService):
                     )
                     saving = asyncio.ensure_future(asyncio.to_thread(snapshot))
                     replicas_paused = len(lease.outcome.acked) if lease is not None else 0
+                # Taken while the replicas resume (the block's exit): they serve the step before
+                # this one until this one is announced, and copying tensors needs no accelerator.
+                # Shielded: a cancellation here must not cut the wait for the thread below.
+                files = await asyncio.shield(saving)
             except BaseException:
-                # The block's exit failed or the step was cancelled while the replicas resumed: the
-                # snapshot runs in a thread, which cannot be stopped, so it ends before the error
-                # goes on (a retry never reads the policy beside it) and its failure is not lost.
+                # The snapshot failed, or the step was cancelled (or the block's exit failed) while
+                # it ran: its thread cannot be stopped, so it ends before the error goes on (a retry
+                # never reads the policy beside it) and its failure is not lost. The policy then
+                # holds a step that is not saved: the retry starts from the step saved before,
+                # never from it, which would take the same step twice.
                 if saving is not None:
                     if (failure := await settled(saving)) is not None:
                         log.warning("saving the step failed", step=step + 1, error=repr(failure))
-                    self.policies.forget(record)  # it holds a step that is not saved
-                raise
-            # Taken while the replicas resume (the block's exit): they serve the step before this
-            # one until this one is announced, and copying tensors needs no accelerator.
-            try:
-                files = await saving
-            except BaseException:
-                # Trained and not saved: the retry starts from the step saved before, never from
-                # this policy, which would take the same step twice.
-                self.policies.forget(record)
+                    self.policies.forget(record)
                 raise
             metrics = {
                 **result.metrics,
