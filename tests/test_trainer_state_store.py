@@ -12,6 +12,7 @@ import io
 import json
 import shutil
 import tarfile
+import threading
 
 import msgspec
 import pytest
@@ -490,8 +491,10 @@ async def test_a_step_that_could_not_be_taken_in_memory_is_trained_again_from_th
     await write_groups(db, [StoredGroup.of(g, None) for g in groups])
     failed: list[int] = []
     snapshot = step_files.snapshot_step
+    threads: set[str] = set()  # where the policies' tensors were touched
 
     def fails_once(policy, step, *args):
+        threads.add(threading.current_thread().name)
         if not failed:
             failed.append(step)
             raise MemoryError("the step's files did not fit")
@@ -502,6 +505,7 @@ async def test_a_step_that_could_not_be_taken_in_memory_is_trained_again_from_th
     load = PolicyCache._load
 
     def counted(self, rec, step):
+        threads.add(threading.current_thread().name)
         loads.append(step)
         return load(self, rec, step)
 
@@ -513,3 +517,5 @@ async def test_a_step_that_could_not_be_taken_in_memory_is_trained_again_from_th
     assert isinstance(completed, TrainCompleted) and completed.step == 1, completed
     assert failed == [1]
     assert loads == [0, 0], "the retry trained on the policy in memory, which held the unsaved step"
+    # Loads and snapshots, of both tries, on the trainer's one torch thread (torch_thread.py).
+    assert len(threads) == 1 and threads.pop().startswith("artery-trainer-torch"), threads

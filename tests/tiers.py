@@ -54,6 +54,7 @@ TIER_OF_MODULE: dict[str, str] = {
     "test_trainer_precision.py": "unit",
     "test_auto_trajectory.py": "unit",
     "test_art_newest_names.py": "unit",
+    "test_torch_thread.py": "unit",
     # -- contract
     "test_contract.py": "contract",
     "test_docs.py": "contract",

@@ -38,6 +38,7 @@ from artery.services.trainer.step_files import (
     snapshot_step,
     unpack_state,
 )
+from artery.services.trainer.torch_thread import TorchThread
 from artery.shared import trainer_state
 from artery.shared.errors import DependencyUnavailable, InvalidMessage
 from artery.shared.logs import get_logger
@@ -159,6 +160,8 @@ class PolicyCache:
         self.settings = settings
         self.js = js
         self.slots = LoraSlots(settings.lora_slots, settings.base_model_slots)
+        #: Where the policies' tensors are touched: loads here, steps and snapshots by the trainer.
+        self.thread = TorchThread()
         #: The model last asked for: the one whose step is running, which ``forget`` drops.
         self._current: tuple[str, str] | None = None
 
@@ -172,7 +175,7 @@ class PolicyCache:
         try:
             check_lora_unchanged(self.settings, record, on_disk)
             if slot is None or slot.step != on_disk:
-                await asyncio.to_thread(self._load, record, on_disk)
+                await self.thread.run(self._load, record, on_disk)
                 slot = self.slots.get(key)
         except ModelUnusable:
             raise

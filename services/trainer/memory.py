@@ -13,8 +13,8 @@ def release_freed_memory() -> None:
     elsewhere a no-op).
 
     glibc serves a CPU step's activations (blocks of megabytes) from its arenas once frees have
-    raised its mmap threshold, and keeps them for reuse; each thread has an arena of its own, and
-    the service's steps run on ``asyncio.to_thread``, whose executor takes turns between two threads.
+    raised its mmap threshold, and keeps them for reuse, in an arena per thread (the trainer's
+    steps share one thread, ``torch_thread.py``; a test or a script may take steps on others).
     Measured on SmolLM2-135M (``loadtests/trainer_memory.py``): 2.4 GB stayed resident after a step
     per thread that ran one, 6 GB after three steps; trimmed, under 0.1 GB, for a few tenths of a
     second per step.

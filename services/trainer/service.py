@@ -214,6 +214,10 @@ class Trainer(ConsumingService):
         self.stopping.set()
         super().stop()
 
+    async def close(self) -> None:
+        self.policies.thread.close()
+        await super().close()
+
     async def handle_batch(self, items: list[tuple[TrainRequest, Delivery]]) -> list[BaseException | None]:
         """Up to ``schedule_window`` pending requests, decoded and checked by the subscriber: hand
         back those still waiting for groups, run one of the ready ones (``schedule.py``) whose
@@ -480,7 +484,7 @@ class Trainer(ConsumingService):
                     snapshot = functools.partial(
                         step_files.snapshot_step, policy, new_step, request.id, result.metrics
                     )
-                    saving = asyncio.ensure_future(asyncio.to_thread(snapshot))
+                    saving = asyncio.ensure_future(self.policies.thread.run(snapshot))
                     replicas_paused = len(lease.outcome.acked) if lease is not None else 0
                 # Taken while the replicas resume (the block's exit): they serve the step before
                 # this one until this one is announced, and copying tensors needs no accelerator.
@@ -629,7 +633,7 @@ class Trainer(ConsumingService):
         template = record.chat_template_kwargs
         if isinstance(request, TrainSFTRequested):
             trajectories = [t for group in groups for t in group]
-            result = await asyncio.to_thread(
+            result = await self.policies.thread.run(
                 policy.sft_step,
                 trajectories,
                 request.config,
@@ -652,7 +656,7 @@ class Trainer(ConsumingService):
             if should_stop is not None and should_stop():
                 raise StepCancelled("the trainer is stopping")
             try:
-                result = await asyncio.to_thread(
+                result = await self.policies.thread.run(
                     self._train_over_processes, policy, record, groups, request.config, off_policy
                 )
             except RuntimeError as exc:
@@ -662,7 +666,7 @@ class Trainer(ConsumingService):
                     raise StepCancelled("the trainer stopped during the distributed step") from exc
                 raise
             return result, extra
-        result = await asyncio.to_thread(
+        result = await self.policies.thread.run(
             policy.train_step,
             groups,
             request.config,
@@ -703,7 +707,7 @@ class Trainer(ConsumingService):
         template = record.chat_template_kwargs
         if isinstance(request, TrainSFTRequested):
             trajectories = [t for group in groups for t in group]
-            return await asyncio.to_thread(
+            return await self.policies.thread.run(
                 policy.prepare_sft,
                 trajectories,
                 request.config,
@@ -714,7 +718,7 @@ class Trainer(ConsumingService):
         limit = staleness_limit(request)
         if limit is not None:  # the groups _step will train on
             groups, _ = drop_stale(groups, model=request.model, current_step=step, max_steps_off_policy=limit)
-        return await asyncio.to_thread(
+        return await self.policies.thread.run(
             policy.prepare_step,
             groups,
             request.config,
