@@ -14,6 +14,7 @@ from types import SimpleNamespace
 from artery.schemas import ModelRecord, TrainRequested, TrainSFTRequested, new_event_id
 from artery.services.trainer.service import Trainer
 from artery.services.trainer.settings import TrainerSettings
+from artery.services.trainer.torch_thread import TorchThread
 
 
 class RecordingPolicy:
@@ -34,14 +35,21 @@ async def test_both_kinds_of_step_render_with_the_models_template_variables():
     record = ModelRecord(
         project="p", name="m", base_model="b", trainable=True, chat_template_kwargs=variables
     )
-    trainer = SimpleNamespace(settings=TrainerSettings(max_seq_len=128))
+    # The steps run on the policies' torch thread (torch_thread.py), as in the service.
+    thread = TorchThread()
+    trainer = SimpleNamespace(
+        settings=TrainerSettings(max_seq_len=128), policies=SimpleNamespace(thread=thread)
+    )
     policy = RecordingPolicy()
-    for request in (
-        TrainRequested(id=new_event_id(), project="p", model="m", group_ids=[new_event_id()]),
-        TrainSFTRequested(id=new_event_id(), project="p", model="m", group_ids=[new_event_id()]),
-    ):
-        result, _ = await Trainer._step(trainer, policy, 0, request, record, [[]])
-        assert result == "result"
+    try:
+        for request in (
+            TrainRequested(id=new_event_id(), project="p", model="m", group_ids=[new_event_id()]),
+            TrainSFTRequested(id=new_event_id(), project="p", model="m", group_ids=[new_event_id()]),
+        ):
+            result, _ = await Trainer._step(trainer, policy, 0, request, record, [[]])
+            assert result == "result"
+    finally:
+        thread.close()
     assert [(kind, kwargs["chat_template_kwargs"]) for kind, kwargs in policy.calls] == [
         ("grpo", variables),
         ("sft", variables),
