@@ -23,7 +23,7 @@ returns once the replica serves the new step. The time is split into:
   ``checkpoint.staged`` and ``checkpoint.saved`` published, the step recorded in PostgreSQL, the
   registry advanced; the step's disk write runs beside these and after them);
 - until served: ``train.completed`` received until ``model.train()`` returns: what is left of
-  the replica's load of the step as saved (fetched, and on vLLM read by the engine, since
+  the replica's load of the step as saved (fetched, and read by the engine, since
   ``checkpoint.staged``) and of its registry entry, which the SDK has followed since it asked
   for the step; next to nothing where the replica served the step before the answer came.
 

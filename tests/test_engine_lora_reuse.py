@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from artery.services.inference.engine.base import UnknownAdapter
+from artery.services.inference.engine.base import EngineError, UnknownAdapter
 from artery.services.inference.engine.lora import LoraSet
 from artery.shared.tiny_model import tiny_model_path
 from tests.test_engine_transformers import save_random_adapter
@@ -121,3 +121,50 @@ def test_the_last_unload_leaves_the_base_model_alone(model_path, adapters, fresh
     assert torch.equal(logits(lora, None), fresh[None])
     lora.load("m@3", adapters["c"])
     assert torch.equal(logits(lora, "m@3"), fresh["c"])
+
+
+def test_a_preload_fills_a_spare_and_serves_only_once_named(model_path, adapters, fresh):
+    """The replica reads a staged step ahead (``preload``) and names it once saved: the read takes
+    the spare step N-1 left, and nothing serves it under its key."""
+    lora = LoraSet(base(model_path))
+    lora.load("m@1", adapters["a"])
+    lora.load("m@2", adapters["b"])
+    lora.unload("m@1")  # a spare
+    layers_before = set(lora.model.peft_config)
+    lora.preload("m@3 staged", adapters["c"])
+    assert set(lora.model.peft_config) == layers_before, "the preload built layers anew"
+    assert lora.names() == ["m@2"]
+    with pytest.raises(UnknownAdapter):
+        logits(lora, "m@3 staged")
+    lora.serve_preloaded("m@3", "m@3 staged")
+    assert torch.equal(logits(lora, "m@3"), fresh["c"])
+    assert torch.equal(logits(lora, "m@2"), fresh["b"])
+    with pytest.raises(UnknownAdapter):
+        lora.serve_preloaded("m@4", "m@3 staged")  # a key is served once
+
+
+def test_a_dropped_preload_leaves_a_spare_and_holds_the_layers_meanwhile(model_path, adapters, fresh):
+    lora = LoraSet(base(model_path))
+    lora.load("m@1", adapters["a"])
+    lora.preload("m@2 staged", adapters["b"])
+    lora.unload("m@1")  # not the last: the preload keeps the LoRA layers in
+    assert hasattr(lora.model, "peft_config")
+    assert torch.equal(logits(lora, None), fresh[None])
+    lora.drop_preloaded("m@2 staged")  # the last: the base model alone again
+    assert not hasattr(lora.model, "peft_config"), "LoRA layers left in the base model"
+    lora.drop_preloaded("never preloaded")  # a preload that failed has nothing to drop
+
+    lora.load("m@3", adapters["c"])
+    lora.preload("m@4 staged", adapters["a"])
+    lora.drop_preloaded("m@4 staged")  # a newer step came: its layers are kept as a spare
+    layers_before = set(lora.model.peft_config)
+    lora.load("m@5", adapters["b"])
+    assert set(lora.model.peft_config) == layers_before, "the dropped preload's layers were not reused"
+    assert torch.equal(logits(lora, "m@5"), fresh["b"])
+
+
+def test_a_key_preloaded_twice_is_refused(model_path, adapters):
+    lora = LoraSet(base(model_path))
+    lora.preload("k", adapters["a"])
+    with pytest.raises(EngineError, match="already preloaded"):
+        lora.preload("k", adapters["b"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import warnings
 
 import pytest
@@ -13,6 +14,7 @@ from artery.services.inference.engine.base import (
     Engine,
     EngineError,
     GenerationRequest,
+    PreloadsAdapters,
     SamplingParams,
     UnknownAdapter,
 )
@@ -332,3 +334,45 @@ async def test_bad_requests(engine):
         await engine.generate(_request([]))
     with pytest.raises(EngineError):
         await engine.generate(_request(_prompt(engine), n=0))
+
+
+async def test_a_preloaded_adapter_serves_what_a_load_serves(engine, adapter_dir):
+    """``PreloadsAdapters``: the replica reads a staged step ahead and names it once saved."""
+    assert isinstance(engine, PreloadsAdapters)
+    prompt = _prompt(engine)
+    await engine.load_adapter("loaded@1", adapter_dir)
+    [loaded] = await engine.generate(_request(prompt, adapter="loaded@1", temperature=0))
+    await engine.preload_adapter("ahead", adapter_dir)
+    assert engine.adapters() == ["loaded@1"]  # read, serving nothing yet
+    await engine.serve_preloaded("ahead@2", "ahead")
+    [ahead] = await engine.generate(_request(prompt, adapter="ahead@2", temperature=0))
+    assert ahead.token_ids == loaded.token_ids
+    with pytest.raises(UnknownAdapter):
+        await engine.serve_preloaded("again@3", "ahead")  # a key is served once
+    await engine.preload_adapter("dropped", adapter_dir)
+    await engine.drop_preloaded("dropped")
+    with pytest.raises(UnknownAdapter):
+        await engine.serve_preloaded("dropped@4", "dropped")
+
+
+async def test_a_preload_cancelled_while_it_is_read_is_dropped(engine, adapter_dir):
+    """The model thread cannot be stopped mid-read: the preload is dropped right after it."""
+    lora = engine._lora
+    reading, go_on = threading.Event(), threading.Event()
+    read = lora.preload
+
+    def slow_read(key, path):
+        reading.set()
+        go_on.wait(timeout=30)
+        read(key, path)
+
+    lora.preload = slow_read
+    preloading = asyncio.create_task(engine.preload_adapter("staged", adapter_dir))
+    assert await asyncio.to_thread(reading.wait, 30)
+    preloading.cancel()
+    go_on.set()
+    with pytest.raises(asyncio.CancelledError):
+        await preloading
+    with pytest.raises(UnknownAdapter):  # runs on the model thread, after the drop
+        await engine.serve_preloaded("staged@1", "staged")
+    assert not hasattr(lora.model, "peft_config"), "the dropped preload's LoRA layers are still in"

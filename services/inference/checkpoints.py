@@ -43,7 +43,7 @@ adapter before its optimizer state and says so, and the replica fetches and unpa
 ``checkpoint.saved`` (or ``checkpoint.published``) names the same sha256, so a step announced as
 saved is still the only one served, and its load then skips the fetch. A prefetch that fails, or
 whose step is never saved, costs nothing else; only the newest staged step is fetched ahead.
-An engine that can read an adapter ahead of serving it (``PreloadsAdapters``: vLLM) is handed the
+An engine that can read an adapter ahead of serving it (``PreloadsAdapters``: both engines) is handed the
 unpacked adapter then too, under a key that serves nothing; the saved step is then served under
 its name without being read again.
 

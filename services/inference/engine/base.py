@@ -110,9 +110,9 @@ class Engine(Protocol):
 @runtime_checkable
 class PreloadsAdapters(Protocol):
     """An engine that can read an adapter ahead of serving it (vLLM: its engine core parses the
-    files and builds the LoRA's tensors), so that serving it once the step is saved is a matter
-    of naming it. The replica preloads a step's adapter when the trainer stages it
-    (``checkpoints``)."""
+    files and builds the LoRA's tensors; transformers: PEFT's layers built or a spare refilled),
+    so that serving it once the step is saved is a matter of naming it. The replica preloads a
+    step's adapter when the trainer stages it (``checkpoints``)."""
 
     async def preload_adapter(self, key: str, path: Path) -> None:
         """Read the adapter in ``path`` under ``key``, which serves nothing; ``EngineError`` if it

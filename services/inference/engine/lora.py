@@ -10,6 +10,10 @@ initialisations: most of a load's time), so an unloaded adapter is kept as a spa
 adapters remain, and the next load whose ``adapter_config.json`` is the same, field for field,
 copies its weights into the spare's layers instead. The last adapter unloaded still takes every
 LoRA layer out, spares included: the base model alone serves as before.
+
+An adapter can also be read ahead under a key (``preload``: the replica does so when the trainer
+stages a step) and named later (``serve_preloaded``), so that serving the saved step costs next
+to nothing. A preloaded adapter keeps the LoRA layers in, as a served one does.
 """
 
 from __future__ import annotations
@@ -59,6 +63,8 @@ class LoraSet:
     def __init__(self, base_model: Any, warm_start: Path | None = None) -> None:
         self.model: Any = base_model
         self._internal: dict[str, str] = {}
+        #: Adapters read ahead of serving (``preload``), by key: internal names that serve nothing.
+        self._preloaded: dict[str, str] = {}
         # Each internal adapter's config as loaded, and the unloaded ones kept for reuse (oldest first).
         self._configs: dict[str, dict[str, Any]] = {}
         self._spares: list[str] = []
@@ -82,16 +88,49 @@ class LoraSet:
 
     def load(self, name: str, path: Path) -> None:
         """Load (or replace) adapter ``name`` from ``path``."""
+        if name in self._internal:
+            self.unload(name)
+        self._internal[name] = self._read_in(path, repr(name))
+
+    def preload(self, key: str, path: Path) -> None:
+        """Read the adapter at ``path`` under ``key``, serving nothing until ``serve_preloaded``
+        names it: the read (a spare refilled, else PEFT's layers built) is most of a load."""
+        if key in self._preloaded:
+            raise EngineError(f"an adapter is already preloaded as {key!r}")
+        self._preloaded[key] = self._read_in(path, f"preloaded as {key!r}")
+
+    def serve_preloaded(self, name: str, key: str) -> None:
+        """Serve the adapter preloaded as ``key`` under ``name``, as ``load`` would."""
+        internal = self._preloaded.pop(key, None)
+        if internal is None:
+            raise UnknownAdapter(key)
+        if name in self._internal:
+            self.unload(name)
+        self._internal[name] = internal
+
+    def drop_preloaded(self, key: str) -> None:
+        """Forget an adapter preloaded and never served; unknown keys are ignored (a preload
+        that failed has nothing to drop)."""
+        internal = self._preloaded.pop(key, None)
+        if internal is not None:
+            self._retire(internal)
+
+    def unload(self, name: str) -> None:
+        internal = self._internal.pop(name, None)
+        if internal is None:
+            raise UnknownAdapter(name)
+        self._retire(internal)
+
+    def _read_in(self, path: Path, what: str) -> str:
+        """The adapter at ``path`` in the model, under a new internal name (a spare's, refilled,
+        where one has its config); ``what`` names it in errors."""
         from peft import PeftModel
 
         check_adapter_dir(path)
-        if name in self._internal:
-            self.unload(name)
         config = _read_config(path)
         spare = self._spare_for(config)
         if spare is not None and self._refill(spare, path):
-            self._internal[name] = spare
-            return
+            return spare
         internal = f"adapter_{next(self._ids)}"
         try:
             if isinstance(self.model, PeftModel):
@@ -104,22 +143,21 @@ class LoraSet:
             if isinstance(self.model, PeftModel) and internal in self.model.peft_config:
                 with contextlib.suppress(Exception):
                     self._delete(internal)
-            raise EngineError(f"cannot load adapter {name!r} from {path}: {exc}") from exc
+            raise EngineError(f"cannot load adapter {what} from {path}: {exc}") from exc
         self.model.eval()
-        self._internal[name] = internal
         if config is not None:
             self._configs[internal] = config
+        return internal
 
-    def unload(self, name: str) -> None:
-        internal = self._internal.pop(name, None)
-        if internal is None:
-            raise UnknownAdapter(name)
-        if self._internal and internal in self._configs:
+    def _retire(self, internal: str) -> None:
+        """An adapter no longer served or preloaded: kept as a spare while others keep the LoRA
+        layers in, else taken out with every spare."""
+        if (self._internal or self._preloaded) and internal in self._configs:
             self._spares.append(internal)  # other adapters keep the LoRA layers in: kept for reuse
             while len(self._spares) > MAX_SPARES:
                 self._delete(self._spares.pop(0))
             return
-        if not self._internal:  # the last one: the spares go with the LoRA layers
+        if not self._internal and not self._preloaded:  # the last one: the spares go with the layers
             for spare in self._spares:
                 self._delete(spare)
             self._spares.clear()

@@ -200,6 +200,28 @@ class TransformersEngine:
         async with self._between_batches():
             await self._on_model_thread(self._started()[0].unload, name)
 
+    async def preload_adapter(self, key: str, path: Path) -> None:
+        """Read the adapter in ``path`` under ``key`` without serving it (``PreloadsAdapters``)."""
+        lora = self._started()[0]
+        async with self._between_batches():
+            reading = self._executor.submit(lora.preload, key, Path(path))
+            try:
+                await asyncio.wrap_future(reading)
+            except asyncio.CancelledError:
+                # The thread reads on; the drop is queued behind the read on the same thread, so
+                # it finds the adapter in (or, the read having failed, nothing to drop).
+                with contextlib.suppress(RuntimeError):  # the engine closed meanwhile
+                    self._executor.submit(lora.drop_preloaded, key)
+                raise
+
+    async def serve_preloaded(self, name: str, key: str) -> None:
+        async with self._between_batches():
+            await self._on_model_thread(self._started()[0].serve_preloaded, name, key)
+
+    async def drop_preloaded(self, key: str) -> None:
+        async with self._between_batches():
+            await self._on_model_thread(self._started()[0].drop_preloaded, key)
+
     @contextlib.asynccontextmanager
     async def _between_batches(self) -> AsyncIterator[None]:
         """The model, once the running batch has ended; it stops admitting rows meanwhile, or
