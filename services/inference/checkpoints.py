@@ -43,9 +43,9 @@ adapter before its optimizer state and says so, and the replica fetches and unpa
 ``checkpoint.saved`` (or ``checkpoint.published``) names the same sha256, so a step announced as
 saved is still the only one served, and its load then skips the fetch. A prefetch that fails, or
 whose step is never saved, costs nothing else; only the newest staged step is fetched ahead.
-An engine that can read an adapter ahead of serving it (``PreloadsAdapters``: both engines) is handed the
-unpacked adapter then too, under a key that serves nothing; the saved step is then served under
-its name without being read again.
+An engine that can read an adapter ahead of serving it (``PreloadsAdapters``: both engines) is
+handed the unpacked adapter then too, under a key that serves nothing; the saved step is then
+served under its name without being read again.
 
 One way per purpose: published steps come from the adapters bucket, saved ones from the
 trainer-state store, never from a file. A file reached only replicas that shared the trainer's

@@ -204,9 +204,8 @@ class TransformersEngine:
         """Read the adapter in ``path`` under ``key`` without serving it (``PreloadsAdapters``)."""
         lora = self._started()[0]
         async with self._between_batches():
-            reading = self._executor.submit(lora.preload, key, Path(path))
             try:
-                await asyncio.wrap_future(reading)
+                await self._on_model_thread(lora.preload, key, Path(path))
             except asyncio.CancelledError:
                 # The thread reads on; the drop is queued behind the read on the same thread, so
                 # it finds the adapter in (or, the read having failed, nothing to drop).
