@@ -168,3 +168,32 @@ def test_a_key_preloaded_twice_is_refused(model_path, adapters):
     lora.preload("k", adapters["a"])
     with pytest.raises(EngineError, match="already preloaded"):
         lora.preload("k", adapters["b"])
+
+
+def test_a_name_replaced_keeps_its_layers_and_serves_until_the_new_one_is_in(
+    model_path, adapters, fresh, tmp_path
+):
+    """The only adapter replaced under its own name: the new one is read in first, so the old one
+    retires as a spare rather than taking the LoRA layers out; a replacement that fails leaves
+    the old one served."""
+    lora = LoraSet(base(model_path))
+    lora.load("m", adapters["a"])
+    lora.load("m", adapters["b"])  # layers built beside a's, a's kept as a spare
+    layers_before = set(lora.model.peft_config)
+    lora.load("m", adapters["c"])  # fills a's spare
+    assert set(lora.model.peft_config) == layers_before, "the layers were built anew"
+    assert torch.equal(logits(lora, "m"), fresh["c"])
+
+    lora.preload("m staged", adapters["a"])  # fills b's spare
+    lora.serve_preloaded("m", "m staged")
+    assert set(lora.model.peft_config) == layers_before, "the spares went with the replaced adapter"
+    assert torch.equal(logits(lora, "m"), fresh["a"])
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "adapter_config.json").write_text("{}")
+    (broken / "adapter_model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(EngineError):
+        lora.load("m", broken)
+    assert lora.names() == ["m"]
+    assert torch.equal(logits(lora, "m"), fresh["a"])

@@ -87,10 +87,9 @@ class LoraSet:
         return name in self._internal
 
     def load(self, name: str, path: Path) -> None:
-        """Load (or replace) adapter ``name`` from ``path``."""
-        if name in self._internal:
-            self.unload(name)
-        self._internal[name] = self._read_in(path, repr(name))
+        """Load (or replace) adapter ``name`` from ``path``. A replaced adapter serves until the new
+        one is in: a load that fails leaves it served."""
+        self._name(name, self._read_in(path, repr(name)))
 
     def preload(self, key: str, path: Path) -> None:
         """Read the adapter at ``path`` under ``key``, serving nothing until ``serve_preloaded``
@@ -104,9 +103,7 @@ class LoraSet:
         internal = self._preloaded.pop(key, None)
         if internal is None:
             raise UnknownAdapter(key)
-        if name in self._internal:
-            self.unload(name)
-        self._internal[name] = internal
+        self._name(name, internal)
 
     def drop_preloaded(self, key: str) -> None:
         """Forget an adapter preloaded and never served; unknown keys are ignored (a preload
@@ -120,6 +117,15 @@ class LoraSet:
         if internal is None:
             raise UnknownAdapter(name)
         self._retire(internal)
+
+    def _name(self, name: str, internal: str) -> None:
+        """Serve ``internal`` as ``name``, retiring what served under that name only then: retired
+        first, the only adapter would take the LoRA layers and every spare out with it, and the
+        new one would build them all again."""
+        replaced = self._internal.get(name)
+        self._internal[name] = internal
+        if replaced is not None:
+            self._retire(replaced)
 
     def _read_in(self, path: Path, what: str) -> str:
         """The adapter at ``path`` in the model, under a new internal name (a spare's, refilled,
