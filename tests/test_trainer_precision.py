@@ -4,6 +4,7 @@ trained that way from bf16 samples, corrected by truncated importance sampling, 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 
@@ -11,9 +12,10 @@ import pytest
 import torch
 
 from artery.schemas import Message, TrainConfig, TrainSFTConfig, Trajectory
+from artery.services.trainer import policy as policy_module
 from artery.services.trainer.logprobs import next_token_logprobs
 from artery.services.trainer.policy import LoraSettings, OptimSettings, Policy
-from artery.services.trainer.precision import autocast, autocast_dtype
+from artery.services.trainer.precision import autocast, autocast_dtype, frozen_weights_cast
 from artery.shared.cpu import cpu_has_bf16
 from artery.shared.tiny_model import tiny_model_path
 from artery.testing.tasks import half_alphabet_groups
@@ -135,3 +137,56 @@ def test_sft_autocasts_only_when_asked(model_path, mode, bf16):
     result = policy.sft_step([chat, chat], config, max_seq_len=MAX_SEQ_LEN, autocast_mode=mode)
     assert result.trained and math.isfinite(result.metrics["loss"])
     assert result.metrics["autocast_bf16"] == bf16
+
+
+def test_frozen_weights_are_cast_once_and_put_back(model_path):
+    """Inside ``frozen_weights_cast`` the base model's Linear weights are their bf16 casts and the
+    adapter's stay float32; after it, the very same parameters. Without a dtype, nothing moves."""
+    policy = make_policy(model_path)
+    model = policy.model
+    before = dict(model.named_parameters(remove_duplicate=False))
+    frozen = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and not m.weight.requires_grad]
+    originals = [m.weight for m in frozen]
+    assert frozen
+    with frozen_weights_cast(model, torch.bfloat16):
+        assert all(
+            torch.equal(m.weight, w.to(torch.bfloat16)) for m, w in zip(frozen, originals, strict=True)
+        )
+        assert all(p.dtype == torch.float32 for _, p in policy.named_trainable)
+    after = dict(model.named_parameters(remove_duplicate=False))
+    assert after.keys() == before.keys() and all(after[n] is before[n] for n in before)
+    with frozen_weights_cast(model, None):
+        assert all(m.weight is w for m, w in zip(frozen, originals, strict=True))
+
+
+def test_a_weight_two_layers_share_is_cast_once():
+    shared = torch.nn.Linear(4, 4, bias=False).requires_grad_(False)
+    twin = torch.nn.Linear(4, 4, bias=False)
+    twin.weight = shared.weight  # tied, as an output projection to its embedding
+    model = torch.nn.Sequential(shared, twin)
+    with frozen_weights_cast(model, torch.bfloat16):
+        assert shared.weight.dtype == torch.bfloat16 and shared.weight is twin.weight
+    assert shared.weight.dtype == torch.float32 and shared.weight is twin.weight
+
+
+@pytest.mark.parametrize("loss_fn", ["cispo", "ppo"])
+def test_a_step_with_frozen_weights_cast_once_trains_what_autocast_trains(model_path, monkeypatch, loss_fn):
+    """The same bf16 step with each pass casting the base model itself (autocast alone) and with it
+    cast once per update: the same loss and the same adapter, to the bit."""
+    torch.manual_seed(1)
+    groups = bf16_sampled_groups(make_policy(model_path))
+    config = TrainConfig(learning_rate=1e-2, loss_fn=loss_fn, truncated_importance_sampling=CAP)
+    results, adapters = [], []
+    for cast_once in (False, True):
+        if not cast_once:
+            monkeypatch.setattr(
+                policy_module, "frozen_weights_cast", lambda model, dtype: contextlib.nullcontext()
+            )
+        else:
+            monkeypatch.undo()
+        policy = Policy.create(model_path, LoraSettings(), OptimSettings(micro_batch_size=4), seed=0)
+        results.append(policy.train_step(groups, config, max_seq_len=MAX_SEQ_LEN, autocast_mode="bfloat16"))
+        adapters.append({n: p.detach().clone() for n, p in policy.named_trainable})
+    assert all(r.trained for r in results)
+    assert results[0].metrics["loss"] == results[1].metrics["loss"]
+    assert all(torch.equal(adapters[0][n], adapters[1][n]) for n in adapters[0])

@@ -75,7 +75,7 @@ from artery.services.trainer.optimizer_state import (
     set_rng_state,
     unflatten_optimizer_state,
 )
-from artery.services.trainer.precision import autocast, autocast_dtype
+from artery.services.trainer.precision import autocast, autocast_dtype, frozen_weights_cast
 from artery.services.trainer.sequences import TrainingSequence, build_sequences, pad_batch, sft_sequences
 from artery.services.trainer.step import (
     DataParallel,
@@ -417,41 +417,42 @@ class Policy:
         loss_sum = ratio_sum = clip_sum = kl_sum = is_ratio_sum = is_truncated_sum = 0.0
         parallel = self.data_parallel
         local = sequences if parallel is None else parallel.shard(sequences)
-        for micro in chunks(local, self.optim.micro_batch_size):
-            _stop_if_asked(self.optimizer, should_stop)
-            batch = {k: v.to(self.device) for k, v in pad_batch(micro, self.pad_id).items()}
-            with autocast(self.device, pass_dtype):
-                logprobs = next_token_logprobs(model, batch, temperature)  # [B,T-1]
-            ref_logprobs = None
-            if kl:  # the base model: the same weights with the adapter switched off
-                with torch.no_grad(), model.disable_adapter(), autocast(self.device, pass_dtype):
-                    ref_logprobs = next_token_logprobs(model, batch, temperature)  # [B,T-1]
-            old, sampler = batch["old_logprobs"], None  # [B,T-1] NaN where unknown
-            if is_cap is not None:
-                old, sampler = off_policy_inputs(logprobs, batch["old_logprobs"])  # [B,T-1] x2
-            out = loss_fn(
-                LossInputs(
-                    logprobs=logprobs,  # [B,T-1]
-                    old_logprobs=old,  # [B,T-1]
-                    advantages=batch["advantages"],  # [B]
-                    mask=batch["assistant_mask"],  # [B,T-1]
-                    ref_logprobs=ref_logprobs,
-                    sampler_logprobs=sampler,
-                    num_sequences=num_sequences,
-                    num_tokens=num_tokens,
+        with frozen_weights_cast(model, pass_dtype):  # the base model cast once, not per pass
+            for micro in chunks(local, self.optim.micro_batch_size):
+                _stop_if_asked(self.optimizer, should_stop)
+                batch = {k: v.to(self.device) for k, v in pad_batch(micro, self.pad_id).items()}
+                with autocast(self.device, pass_dtype):
+                    logprobs = next_token_logprobs(model, batch, temperature)  # [B,T-1]
+                ref_logprobs = None
+                if kl:  # the base model: the same weights with the adapter switched off
+                    with torch.no_grad(), model.disable_adapter(), autocast(self.device, pass_dtype):
+                        ref_logprobs = next_token_logprobs(model, batch, temperature)  # [B,T-1]
+                old, sampler = batch["old_logprobs"], None  # [B,T-1] NaN where unknown
+                if is_cap is not None:
+                    old, sampler = off_policy_inputs(logprobs, batch["old_logprobs"])  # [B,T-1] x2
+                out = loss_fn(
+                    LossInputs(
+                        logprobs=logprobs,  # [B,T-1]
+                        old_logprobs=old,  # [B,T-1]
+                        advantages=batch["advantages"],  # [B]
+                        mask=batch["assistant_mask"],  # [B,T-1]
+                        ref_logprobs=ref_logprobs,
+                        sampler_logprobs=sampler,
+                        num_sequences=num_sequences,
+                        num_tokens=num_tokens,
+                    )
                 )
-            )
-            out.loss.backward()
-            tokens = float(batch["assistant_mask"].sum())  # this micro-batch's share of the means
-            if is_cap is not None and sampler is not None:  # both set, or neither
-                is_mean, truncated = importance_stats(old, sampler, batch["assistant_mask"], is_cap)
-                is_ratio_sum += is_mean * tokens
-                is_truncated_sum += truncated * tokens
-            loss_sum += float(out.loss.detach())
-            ratio_sum += float(out.ratio_mean) * tokens
-            clip_sum += float(out.clip_fraction) * tokens
-            if out.kl_mean is not None:
-                kl_sum += float(out.kl_mean) * tokens
+                out.loss.backward()
+                tokens = float(batch["assistant_mask"].sum())  # this micro-batch's share of the means
+                if is_cap is not None and sampler is not None:  # both set, or neither
+                    is_mean, truncated = importance_stats(old, sampler, batch["assistant_mask"], is_cap)
+                    is_ratio_sum += is_mean * tokens
+                    is_truncated_sum += truncated * tokens
+                loss_sum += float(out.loss.detach())
+                ratio_sum += float(out.ratio_mean) * tokens
+                clip_sum += float(out.clip_fraction) * tokens
+                if out.kl_mean is not None:
+                    kl_sum += float(out.kl_mean) * tokens
         max_norm = config.max_grad_norm or self.optim.max_grad_norm
         params = [p for _, p in self.named_trainable]
         if parallel is not None:  # every process then clips and steps the same gradient
@@ -598,14 +599,15 @@ class Policy:
         self.optimizer.zero_grad(set_to_none=True)
         num_tokens = float(max(sum(trained_tokens(s) for s in sequences), 1))
         loss_sum = 0.0
-        for micro in chunks(sequences, self.optim.micro_batch_size):
-            _stop_if_asked(self.optimizer, should_stop)
-            batch = {k: v.to(self.device) for k, v in pad_batch(micro, self.pad_id).items()}
-            with autocast(self.device, pass_dtype):
-                logprobs = next_token_logprobs(model, batch, 1.0)  # [B,T-1]
-            loss = sft_loss(logprobs, batch["assistant_mask"], num_tokens)
-            loss.backward()
-            loss_sum += float(loss.detach())
+        with frozen_weights_cast(model, pass_dtype):
+            for micro in chunks(sequences, self.optim.micro_batch_size):
+                _stop_if_asked(self.optimizer, should_stop)
+                batch = {k: v.to(self.device) for k, v in pad_batch(micro, self.pad_id).items()}
+                with autocast(self.device, pass_dtype):
+                    logprobs = next_token_logprobs(model, batch, 1.0)  # [B,T-1]
+                loss = sft_loss(logprobs, batch["assistant_mask"], num_tokens)
+                loss.backward()
+                loss_sum += float(loss.detach())
         params = [p for _, p in self.named_trainable]
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.optim.max_grad_norm))
         applied = math.isfinite(grad_norm)

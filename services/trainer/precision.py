@@ -18,11 +18,17 @@ such as the log-softmax in float32 (``logprobs.TokenLogprobs`` upcasts each chun
   and the trainer agree exactly and the first ratio is 1.
 
 ``bfloat16`` autocasts every pass (GRPO and SFT) on any device; ``off`` never does.
+
+Autocast casts a weight that needs no gradient anew at every op that uses it (its cache keeps
+only the casts of weights that are trained). Under LoRA that is the whole base model, cast again
+in each pass of an update: a micro-batch's shared-prompt pass, its rows, the reference pass, and
+each cast kept for backward. ``frozen_weights_cast`` casts each frozen weight once per update.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import get_args
 
 import torch
@@ -57,3 +63,31 @@ def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.Abst
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+@contextlib.contextmanager
+def frozen_weights_cast(model: torch.nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
+    """For the passes of one update under ``autocast(dtype)``: each frozen float32 ``Linear``
+    weight (the base model's, under LoRA) cast to ``dtype`` once and used in its place, put back
+    after. The cast is autocast's own (``Tensor.to``), so the passes compute the same numbers;
+    nothing is done when ``dtype`` is None. Weights that are trained are left to autocast."""
+    if dtype is None:
+        yield
+        return
+    swapped: list[tuple[torch.nn.Module, torch.nn.Parameter]] = []
+    casts: dict[int, torch.nn.Parameter] = {}  # a weight two layers share (tied) is cast once
+    try:
+        for module in model.modules():
+            weight = module._parameters.get("weight") if isinstance(module, torch.nn.Linear) else None
+            if weight is None or weight.requires_grad or weight.dtype != torch.float32:
+                continue
+            cast = casts.get(id(weight))
+            if cast is None:
+                cast = torch.nn.Parameter(weight.detach().to(dtype), requires_grad=False)
+                casts[id(weight)] = cast
+            module._parameters["weight"] = cast
+            swapped.append((module, weight))
+        yield
+    finally:
+        for module, weight in swapped:
+            module._parameters["weight"] = weight
