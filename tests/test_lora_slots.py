@@ -80,23 +80,35 @@ def record(name: str, lora: LoraSpec | None = None, base_model: str = TINY) -> M
     return ModelRecord(project=PROJECT, name=name, base_model=base_model, trainable=True, lora=lora)
 
 
-async def train(cache: PolicyCache, model: ModelRecord, groups: list[list[Trajectory]]) -> Policy:
+async def train(
+    cache: PolicyCache, model: ModelRecord, groups: list[list[Trajectory]], autocast_mode: str = "off"
+) -> Policy:
     """One step as the trainer service takes it: resume, train, save the step, advance."""
     policy, step = await cache.get(model)
-    result = policy.train_step(groups, TrainConfig(learning_rate=LEARNING_RATE), max_seq_len=MAX_SEQ_LEN)
+    result = policy.train_step(
+        groups, TrainConfig(learning_rate=LEARNING_RATE), max_seq_len=MAX_SEQ_LEN, autocast_mode=autocast_mode
+    )
     assert result.trained and result.step == step + 1
     save_step(cache.settings, model, policy, step + 1, new_event_id(), result.metrics)
     cache.advance(model, step + 1)
     return policy
 
 
-def alone(trainer: TrainerSettings, model: ModelRecord, steps: list[list[list[Trajectory]]]) -> Policy:
+def alone(
+    trainer: TrainerSettings,
+    model: ModelRecord,
+    steps: list[list[list[Trajectory]]],
+    autocast_mode: str = "off",
+) -> Policy:
     """The model trained in a fresh policy of its own (a base model to itself), step by step."""
     base = resolve_base_model(model.base_model or TINY)
     policy = Policy.create(base, lora_settings(trainer, model), optim_settings(trainer), seed=0)
     for groups in steps:
         assert policy.train_step(
-            groups, TrainConfig(learning_rate=LEARNING_RATE), max_seq_len=MAX_SEQ_LEN
+            groups,
+            TrainConfig(learning_rate=LEARNING_RATE),
+            max_seq_len=MAX_SEQ_LEN,
+            autocast_mode=autocast_mode,
         ).trained
     return policy
 
@@ -164,23 +176,26 @@ async def test_two_models_on_one_base_share_one_copy_of_its_weights(tmp_path, ba
     assert again is first and len(base_loads) == 2
 
 
-async def test_interleaved_models_train_as_each_would_alone(tmp_path, data, base_loads):
+@pytest.mark.parametrize("autocast_mode", ["off", "bfloat16"])
+async def test_interleaved_models_train_as_each_would_alone(tmp_path, data, base_loads, autocast_mode):
+    """In bf16 autocast too: there the frozen weights are cast for the step (``precision``), and
+    which of a shared base's LoRA weights are frozen depends on the model that trains."""
     trainer = settings(tmp_path, slots=4)
     cache = PolicyCache(trainer)
     a, b = record("a"), record("b")
-    await train(cache, a, data["a"])
-    policy_b = await train(cache, b, data["b"])
+    await train(cache, a, data["a"], autocast_mode)
+    policy_b = await train(cache, b, data["b"], autocast_mode)
     before = state(policy_b)
-    await train(cache, a, data["a"])
+    await train(cache, a, data["a"], autocast_mode)
     assert_close(state(policy_b), before, atol=0.0)  # A's step left B's adapter and optimizer alone
-    await train(cache, b, data["b"])
+    await train(cache, b, data["b"], autocast_mode)
     assert len(base_loads) == 1
 
     policy_a, step_a = await cache.get(a)
     policy_b, step_b = await cache.get(b)
     assert step_a == step_b == 2 and policy_a.model is policy_b.model
-    assert_close(state(policy_a), state(alone(trainer, a, [data["a"]] * 2)))
-    assert_close(state(policy_b), state(alone(trainer, b, [data["b"]] * 2)))
+    assert_close(state(policy_a), state(alone(trainer, a, [data["a"]] * 2, autocast_mode)))
+    assert_close(state(policy_b), state(alone(trainer, b, [data["b"]] * 2, autocast_mode)))
     assert differs(state(policy_a), state(policy_b))
 
     trained = state(policy_b)

@@ -177,13 +177,8 @@ def test_a_step_with_frozen_weights_cast_once_trains_what_autocast_trains(model_
     groups = bf16_sampled_groups(make_policy(model_path))
     config = TrainConfig(learning_rate=1e-2, loss_fn=loss_fn, truncated_importance_sampling=CAP)
     results, adapters = [], []
-    for cast_once in (False, True):
-        if not cast_once:
-            monkeypatch.setattr(
-                policy_module, "frozen_weights_cast", lambda model, dtype: contextlib.nullcontext()
-            )
-        else:
-            monkeypatch.undo()
+    for cast in (lambda model, dtype: contextlib.nullcontext(), frozen_weights_cast):
+        monkeypatch.setattr(policy_module, "frozen_weights_cast", cast)
         policy = Policy.create(model_path, LoraSettings(), OptimSettings(micro_batch_size=4), seed=0)
         results.append(policy.train_step(groups, config, max_seq_len=MAX_SEQ_LEN, autocast_mode="bfloat16"))
         adapters.append({n: p.detach().clone() for n, p in policy.named_trainable})

@@ -417,7 +417,9 @@ class Policy:
         loss_sum = ratio_sum = clip_sum = kl_sum = is_ratio_sum = is_truncated_sum = 0.0
         parallel = self.data_parallel
         local = sequences if parallel is None else parallel.shard(sequences)
-        with frozen_weights_cast(model, pass_dtype):  # the base model cast once, not per pass
+        # The base model cast once, not per pass; after activate(), which decides which LoRA weights
+        # (on a shared base, other models' are frozen too) are trained and so left uncast.
+        with frozen_weights_cast(model, pass_dtype):
             for micro in chunks(local, self.optim.micro_batch_size):
                 _stop_if_asked(self.optimizer, should_stop)
                 batch = {k: v.to(self.device) for k, v in pad_batch(micro, self.pad_id).items()}
@@ -599,7 +601,7 @@ class Policy:
         self.optimizer.zero_grad(set_to_none=True)
         num_tokens = float(max(sum(trained_tokens(s) for s in sequences), 1))
         loss_sum = 0.0
-        with frozen_weights_cast(model, pass_dtype):
+        with frozen_weights_cast(model, pass_dtype):  # after activate(), as in _update
             for micro in chunks(sequences, self.optim.micro_batch_size):
                 _stop_if_asked(self.optimizer, should_stop)
                 batch = {k: v.to(self.device) for k, v in pad_batch(micro, self.pad_id).items()}
