@@ -110,7 +110,7 @@ class InProcessEngine:
     def __init__(self, model_path: str):
         from artery.services.inference.engine.transformers_engine import TransformersEngine
 
-        self.engine = TransformersEngine(model_path)  # the replica's defaults (max_batch_size 16)
+        self.engine = TransformersEngine(model_path)  # the replica's defaults
 
     async def start(self, config: Config) -> None:
         from artery.services.inference.engine.base import GenerationRequest, SamplingParams

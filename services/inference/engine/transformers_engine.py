@@ -49,6 +49,7 @@ from artery.services.inference.engine.decode import DecodeContext, DecodeStats, 
 from artery.services.inference.engine.lora import LoraSet
 from artery.services.inference.engine.sampling import completion_seed
 from artery.services.inference.engine.stops import first_stop
+from artery.services.inference.settings import DEFAULT_MAX_BATCH_SIZE
 from artery.shared.metrics import count_generated
 from artery.shared.models import warm_start
 from artery.shared.tasks import cancel_and_wait
@@ -76,7 +77,7 @@ class TransformersEngine:
         *,
         device: str = "cpu",
         dtype: Any = None,
-        max_batch_size: int = 16,
+        max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
         max_context: int | None = None,
     ) -> None:
         if max_batch_size < 1:
