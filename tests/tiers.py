@@ -31,6 +31,7 @@ TIER_OF_MODULE: dict[str, str] = {
     # -- unit
     "test_engine_sampling.py": "unit",
     "test_engine_batching.py": "unit",
+    "test_engine_fp16_weights.py": "unit",
     "test_engine_lora_reuse.py": "unit",
     "test_engine_transformers.py": "unit",
     "test_gpu.py": "unit",  # in-process CUDA paths; skipped without ARTERY_TEST_CUDA and a GPU
@@ -166,6 +167,7 @@ SLOW_MODULES = frozenset(
     {
         "test_auto_rl.py",
         "test_engine_batching.py",
+        "test_engine_fp16_weights.py",
         "test_engine_lora_reuse.py",
         "test_engine_transformers.py",
         "test_langfuse.py",

@@ -54,7 +54,8 @@ class InferenceSettings(msgspec.Struct, kw_only=True, frozen=True):
         Literal["float32", "bfloat16", "float16"] | None,
         doc(
             "weights dtype (default: bf16 on a GPU; on the CPU float32 for transformers, bf16 for vllm,"
-            " ~2x its float32; the trainer corrects bf16 samples with truncated importance sampling)"
+            " ~2x its float32; float16 on the CPU with transformers: fp16 weights, float32 arithmetic;"
+            " the trainer corrects bf16 and fp16 samples with truncated importance sampling)"
         ),
     ] = None
     max_lora_rank: Annotated[

@@ -46,6 +46,7 @@ from artery.services.inference.engine.base import (
     UnknownAdapter,
 )
 from artery.services.inference.engine.decode import DecodeContext, DecodeStats, Row, decode_batch
+from artery.services.inference.engine.fp16_weights import use_fp16_weights
 from artery.services.inference.engine.lora import LoraSet
 from artery.services.inference.engine.sampling import completion_seed
 from artery.services.inference.engine.stops import first_stop
@@ -129,6 +130,9 @@ class TransformersEngine:
         if dtype is None:
             on_gpu = self._device.type == "cuda"
             dtype = torch.bfloat16 if on_gpu and torch.cuda.is_bf16_supported() else torch.float32
+        # float16 on the CPU: fp16 weights under float32 arithmetic (``fp16_weights``), packed
+        # from the float32 model; the CPU has no fast fp16 arithmetic of its own.
+        fp16_weights = dtype == torch.float16 and self._device.type == "cpu"
         # A PEFT adapter directory as the model (a warm start): its base, with it as step 0.
         warm = warm_start(self.model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(warm.tokenizer_path() if warm else self.model_path)
@@ -136,10 +140,12 @@ class TransformersEngine:
         # tokenizer shared between threads can fail with "Already borrowed", so each has its own.
         self._thread_tokenizer = copy.deepcopy(self.tokenizer)
         model = AutoModelForCausalLM.from_pretrained(
-            warm.base_path() if warm else self.model_path, dtype=dtype
+            warm.base_path() if warm else self.model_path, dtype=torch.float32 if fp16_weights else dtype
         )
         # transformers types ``to`` as functools.wraps(Module.to), which mypy reads unbound.
         model.to(self._device).eval()  # type: ignore[arg-type]
+        if fp16_weights:
+            use_fp16_weights(model)  # before LoRA: PEFT then wraps the fp16-weight layers
         self._lora = LoraSet(model, warm.adapter_dir if warm else None)
         config = model.config
         self.max_context = self._max_context_arg or int(config.max_position_embeddings)
