@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import warnings
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from transformers import AutoModelForCausalLM
 from artery.services.inference.engine.base import EngineError, SamplingParams
 from artery.services.inference.engine.decode import DecodeContext, DecodeStats, Row, decode_batch
 from artery.services.inference.engine.transformers_engine import TransformersEngine
+from artery.shared.kv_cache_name import CACHE
 from artery.shared.tiny_model import tiny_model_path
 from tests.test_engine_transformers import _prompt, _request, save_random_adapter
 
@@ -244,3 +246,28 @@ def test_a_finished_row_takes_its_columns_with_it(model_path):
         decode_batch([row(long, 2), row(short, 6)], ctx)
     # The prefill and one step at the long row's width; then the short row's own width, growing.
     assert widths == [40, 41, 7, 8, 9, 10]
+
+
+def test_decode_passes_the_cache_under_the_name_transformers_keeps(model_path):
+    """transformers 5.x renamed ``past_key_values`` to ``cache``: the old name still works but
+    warns at every forward pass and goes in 5.40. The prefill and each step pass the new name."""
+    model = AutoModelForCausalLM.from_pretrained(model_path).eval()
+    passed: list[set[str]] = []
+
+    def spy(**inputs):
+        passed.append(set(inputs))
+        return model(**inputs)
+
+    spy.config = model.config
+    ctx = DecodeContext(
+        spy, None, torch.device("cpu"), frozenset(), 0, lambda steps: None, threading.Event(), DecodeStats()
+    )
+    row = Row(None, 0, [7] * 5, SamplingParams(max_tokens=3, temperature=0), torch.Generator(), 3)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*past_key_values")  # the deprecation, were it passed
+        with torch.inference_mode():
+            decode_batch([row], ctx)
+    assert len(passed) == 3  # the prefill and two steps
+    assert all(CACHE in names for names in passed)
+    if CACHE != "past_key_values":
+        assert not any("past_key_values" in names for names in passed)

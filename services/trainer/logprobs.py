@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from artery.shared.kv_cache_name import CACHE
 
 #: Logits per chunk of ``TokenLogprobs`` (16 MiB of float32): small next to the logits themselves.
 LOGPROB_CHUNK_ELEMENTS = 1 << 22
@@ -80,10 +81,6 @@ def first_trained_position(assistant_mask: Tensor) -> int:
     trained = assistant_mask.any(dim=0).nonzero()  # [n,1]
     return int(trained[0, 0]) if len(trained) else 0
 
-
-#: What transformers calls the KV cache, in a model's outputs and arguments: ``cache`` since 5.x
-#: (``past_key_values``, still accepted, logs a deprecation), ``past_key_values`` before.
-CACHE = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 #: A shared prefix shorter than this is passed with each row: its own pass would cost more than it saves.
 MIN_SHARED_PREFIX = 8

@@ -27,6 +27,7 @@ from transformers.cache_utils import CacheLayerMixin, DynamicLayer
 from artery.services.inference.engine.base import EngineError, FinishReason, SamplingParams, TokenStep
 from artery.services.inference.engine.sampling import processed_logprobs, sample_tokens, top_alternatives
 from artery.services.inference.engine.stops import tail_tokens
+from artery.shared.kv_cache_name import CACHE
 
 
 @dataclass
@@ -121,9 +122,9 @@ def _prefill(rows: list[Row], ctx: DecodeContext) -> _Batch:
         input_ids=ids,
         attention_mask=mask,
         position_ids=positions,
-        past_key_values=cache,
         use_cache=True,
         logits_to_keep=1,
+        **{CACHE: cache},
     )
     ctx.stats.forward_passes += 1
     pick = torch.tensor(source, device=ctx.device)  # [B]: which prompt each row continues
@@ -201,8 +202,8 @@ def _advance(batch: _Batch, tokens: torch.Tensor, ctx: DecodeContext) -> None:
         input_ids=tokens[:, None],
         attention_mask=batch.mask,
         position_ids=batch.last_pos[:, None],
-        past_key_values=batch.cache,
         use_cache=True,
+        **{CACHE: batch.cache},
     )
     ctx.stats.forward_passes += 1
     batch.logits = out.logits[:, -1, :]  # [B, V]
