@@ -26,8 +26,9 @@ Reported per scenario:
   split into the decoder (``body``), ``lm_head`` (with its LoRA) and what follows (``logprobs``:
   logprobs and loss); parameters that autograd saves are not counted (they are resident anyway).
 
-Scenarios: ``service`` (as above); ``glibc_defaults`` (the same without the ``malloc_trim`` that
-``Policy.train_step`` makes after a CPU step: glibc raises its mmap threshold as blocks are freed,
+Scenarios: ``service`` (as above, with the ``malloc_trim`` that a trainer makes once idle made
+after every step, as for a trainer idle between its steps); ``glibc_defaults`` (the same without
+the trim: glibc raises its mmap threshold as blocks are freed,
 serves the activations from its arenas and keeps them); ``mmap_threshold_128k``
 (``MALLOC_MMAP_THRESHOLD_=131072`` in the environment: every block of 128 KiB or more is mapped on
 its own and unmapped when freed, so that the arenas never hold activations, at the price of a page
@@ -264,11 +265,13 @@ def read_every_weight(model: Any) -> None:
 
 def scenario_policy(name: str) -> Any:
     from artery.services.trainer import policy as policy_module
+    from artery.services.trainer.memory import IdleHeapRelease
     from artery.services.trainer.policy import LoraSettings, OptimSettings, Policy
     from artery.shared.models import SMOLLM2
 
-    if name == "glibc_defaults":  # this process only: it runs nothing else
-        policy_module.release_freed_memory = lambda: None
+    # This process only (it runs nothing else): the steps here release the heap themselves
+    # (``measure_scenario``), at once, rather than after the trainer's idle time.
+    policy_module.freed_heap = IdleHeapRelease(release=lambda: None)
     micro_batch_size = 4 if name == "micro_batch_4" else MICRO_BATCH_SIZE
     policy = Policy.create(SMOLLM2, LoraSettings(), OptimSettings(micro_batch_size=micro_batch_size))
     if name == "activation_checkpointing":
@@ -296,6 +299,7 @@ def measure_scenario(name: str, steps: int, threads: int) -> dict[str, Any]:
     import transformers
 
     from artery.schemas import TrainConfig
+    from artery.services.trainer.memory import release_freed_memory
 
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
@@ -310,12 +314,15 @@ def measure_scenario(name: str, steps: int, threads: int) -> dict[str, Any]:
     config = TrainConfig(learning_rate=LEARNING_RATE)
     saved = SavedForBackward(policy.model)
 
+    def step() -> Any:
+        result = policy.train_step(groups, config, max_seq_len=MAX_SEQ_LEN)
+        if name != "glibc_defaults":
+            release_freed_memory()
+        return result
+
     def first_step() -> Any:
         with saved.recording():
-            return policy.train_step(groups, config, max_seq_len=MAX_SEQ_LEN)
-
-    def step() -> Any:
-        return policy.train_step(groups, config, max_seq_len=MAX_SEQ_LEN)
+            return step()
 
     workers = [ThreadPoolExecutor(max_workers=1) for _ in range(WORKER_THREADS)]
     rows = []

@@ -9,10 +9,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from artery.schemas import Message, Sample, TrainConfig, Trajectory
+from artery.schemas import Message, Sample, TrainConfig, TrainSFTConfig, Trajectory
 from artery.services.inference.engine.base import GenerationRequest, SamplingParams
 from artery.services.inference.engine.transformers_engine import TransformersEngine
 from artery.services.trainer import logprobs as logprobs_module
+from artery.services.trainer import policy as policy_module
+from artery.services.trainer.memory import IdleHeapRelease
 from artery.services.trainer.policy import (
     LoraSettings,
     OptimSettings,
@@ -123,6 +125,23 @@ def test_step_raises_the_better_completion(model_path):
     assert m["ratio_mean"] == pytest.approx(1.0, abs=1e-4)  # old logprobs are the policy's own
     assert m["grad_norm"] > 0 and m["optimizer_steps"] == 1 and m["step_time_s"] > 0 and m["trained"] == 1
     assert "kl_mean" not in m
+
+
+def test_a_cpu_step_leaves_its_freed_heap_to_the_idle_release(model_path, monkeypatch):
+    """The step's activations are not handed back to the OS when it ends (the next step would fault
+    them back in) but once the trainer has been idle (``memory.IdleHeapRelease``); SFT likewise."""
+    released: list[int] = []
+    heap = IdleHeapRelease(idle_s=3600.0, release=lambda: released.append(1))
+    monkeypatch.setattr(policy_module, "freed_heap", heap)
+    policy = make_policy(model_path)
+    group = [trajectory(policy, "bad cafe", 1.0), trajectory(policy, "the water is cold", 0.0)]
+    assert not heap.pending()
+    assert policy.train_step([group], TrainConfig(learning_rate=1e-3), max_seq_len=MAX_SEQ_LEN).trained
+    assert heap.pending() and not released
+    heap.busy()
+    assert policy.sft_step([group[0]], TrainSFTConfig(learning_rate=1e-3), max_seq_len=MAX_SEQ_LEN).trained
+    assert heap.pending() and not released
+    heap.busy()
 
 
 def test_equal_reward_groups_are_skipped_and_counted(model_path):

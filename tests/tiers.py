@@ -46,6 +46,7 @@ TIER_OF_MODULE: dict[str, str] = {
     "test_sdk_utils.py": "unit",
     "test_sequences.py": "unit",
     "test_tiny_model.py": "unit",
+    "test_trainer_heap_release.py": "unit",
     "test_trainer_policy.py": "unit",
     "test_adapter_files.py": "unit",
     "test_tensor_bytes.py": "unit",

@@ -67,7 +67,7 @@ from artery.services.trainer.losses import (
     importance_stats,
     off_policy_inputs,
 )
-from artery.services.trainer.memory import release_freed_memory
+from artery.services.trainer.memory import freed_heap
 from artery.services.trainer.optimizer_state import (
     flatten_optimizer_state,
     optimizer_steps,
@@ -341,26 +341,25 @@ class Policy:
         if skip_reason is None:
             size = config.grad_accumulation_sequences or len(sequences)
             try:
-                updates = [
-                    self._update(
-                        part,
-                        loss_fn,
-                        config,
-                        temperature=temperature,
-                        is_cap=is_cap,
-                        should_stop=should_stop,
-                        pass_dtype=pass_dtype,
-                    )
-                    for part in chunks(sequences, size)
-                ]
+                with self._heap_in_use():
+                    updates = [
+                        self._update(
+                            part,
+                            loss_fn,
+                            config,
+                            temperature=temperature,
+                            is_cap=is_cap,
+                            should_stop=should_stop,
+                            pass_dtype=pass_dtype,
+                        )
+                        for part in chunks(sequences, size)
+                    ]
             except StepCancelled:
                 self.step -= 1
                 raise
             metrics.update(merge_updates(updates))
             if not any(u["applied"] for u in updates):
                 skip_reason = "non_finite_gradient"
-            if self.device.type == "cpu":  # the activations lived in this process's heap
-                release_freed_memory()
         metrics["trained"] = float(skip_reason is None)
         metrics["autocast_bf16"] = float(pass_dtype == torch.bfloat16)
         metrics["step_time_s"] = time.perf_counter() - started
@@ -392,6 +391,11 @@ class Policy:
             uncut = max((c.length for c in report.cut), default=0)
             budget.check_sequences(sequences, uncut, ModelShape.of(self.model), self.optim.micro_batch_size)
         return PreparedStep(plan=plan, sequences=sequences, report=report)
+
+    def _heap_in_use(self) -> contextlib.AbstractContextManager:
+        """A CPU step's passes: their activations live in this process's heap, which goes back to
+        the OS once the trainer has been idle a while (``memory.IdleHeapRelease``)."""
+        return freed_heap.step() if self.device.type == "cpu" else contextlib.nullcontext()
 
     def _update(
         self,
@@ -521,9 +525,10 @@ class Policy:
         self.step += 1
         updates: list[dict[str, float]] = []
         try:
-            for sequences, rate in batches:
-                if sequences:
-                    updates.append(self._sft_update(sequences, rate, should_stop, pass_dtype))
+            with self._heap_in_use():
+                for sequences, rate in batches:
+                    if sequences:
+                        updates.append(self._sft_update(sequences, rate, should_stop, pass_dtype))
         except StepCancelled:
             self.step -= 1
             raise
@@ -545,8 +550,6 @@ class Policy:
             metrics["optimizer_steps"] = float(sum(u["applied"] for u in updates))
             if not any(u["applied"] for u in updates):
                 skip_reason = "non_finite_gradient"
-            if self.device.type == "cpu":
-                release_freed_memory()
         metrics["trained"] = float(skip_reason is None)
         metrics["autocast_bf16"] = float(pass_dtype == torch.bfloat16)
         metrics["step_time_s"] = time.perf_counter() - started
