@@ -20,10 +20,10 @@ def release_freed_memory() -> None:
 
     glibc serves a CPU step's activations (blocks of megabytes) from its arenas once frees have
     raised its mmap threshold, and keeps them for reuse, in an arena per thread (the trainer's
-    steps share one thread, ``torch_thread.py``; a test or a script may take steps on others).
-    Measured on SmolLM2-135M (``loadtests/trainer_memory.py``): 2.4 GB stayed resident after a step
-    per thread that ran one, 6 GB after three steps; trimmed, under 0.1 GB, for a few tenths of a
-    second per step.
+    steps share one thread, ``torch_thread.py``; a test or a script may take steps on others), so
+    without a trim a trainer holds gigabytes of freed activations between steps
+    (``loadtests/trainer_memory.py`` measures how many). The next step faults back in what a trim
+    gave away, which is why steps trim through ``IdleHeapRelease`` rather than after each one.
     """
     libc = _libc()
     if libc is not None:
