@@ -44,6 +44,8 @@ async def test_demo_runs_the_loop_and_writes_its_summary_and_plot(tmp_path):
     saved = json.loads((tmp_path / "demo" / "summary.json").read_text())
     assert saved["steps"] == summary["steps"] == 2
     assert [p["step"] for p in saved["curve"]] == [0, 1]
+    for point in saved["curve"]:  # where each step's time went: the trainer's inside the train call
+        assert point["rollouts_s"] > 0 and 0 < point["trainer_s"] <= point["train_call_s"]
     assert [saved["held_out"][k]["step"] for k in ("before", "after")] == [0, 2]
     assert 0.0 <= saved["reward_start"] <= 1.0 and 0.0 <= saved["reward_end"] <= 1.0
     assert saved["reward_start"] == saved["held_out"]["before"]["sampled"]

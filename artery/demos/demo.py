@@ -241,6 +241,7 @@ async def run(args: argparse.Namespace) -> dict:
         try:
             for _ in range(0 if args.async_mode else args.steps):
                 step = await model.get_step()
+                rollouts_started = time.monotonic()
                 groups = await art.gather_trajectory_groups(
                     (
                         art.trajectory_group(
@@ -252,9 +253,21 @@ async def run(args: argparse.Namespace) -> dict:
                     pbar_desc=f"step {step:>3} rollouts",
                 )
                 reward = statistics.fmean(t.reward for g in groups for t in g)
+                train_started = time.monotonic()
                 result = await model.train(groups, config=art.TrainConfig(learning_rate=args.learning_rate))
-                curve.append({"step": step, "reward_mean": reward, "loss": result.metrics.get("loss")})
                 m = result.metrics
+                # The trainer's own time is in the metrics; the rest of the train call is the
+                # hand-off around it (storing the groups, pausing, serving the new adapter).
+                curve.append(
+                    {
+                        "step": step,
+                        "reward_mean": reward,
+                        "loss": m.get("loss"),
+                        "rollouts_s": round(train_started - rollouts_started, 2),
+                        "train_call_s": round(time.monotonic() - train_started, 2),
+                        "trainer_s": round(m.get("step_total_s", 0.0), 2),
+                    }
+                )
                 trained = (
                     f"loss {m['loss']:+.4f}, {m.get('tokens_trained', 0):.0f} tokens trained"
                     if m.get("trained", 1.0) and "loss" in m
@@ -263,7 +276,8 @@ async def run(args: argparse.Namespace) -> dict:
                 steps_bar.update(1)
                 steps_bar.write(
                     f"step {step:>3}: reward {reward:.3f}  {trained}"
-                    f"  ({m.get('step_total_s', 0):.2f}s in the trainer) -> policy {result.step}"
+                    f"  (rollouts {curve[-1]['rollouts_s']:.1f}s, train {curve[-1]['train_call_s']:.1f}s"
+                    f" of which {m.get('step_total_s', 0):.2f}s in the trainer) -> policy {result.step}"
                 )
         finally:
             steps_bar.close()
