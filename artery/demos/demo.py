@@ -256,8 +256,9 @@ async def run(args: argparse.Namespace) -> dict:
                 train_started = time.monotonic()
                 result = await model.train(groups, config=art.TrainConfig(learning_rate=args.learning_rate))
                 m = result.metrics
-                # The trainer's own time is in the metrics; the rest of the train call is the
-                # hand-off around it (storing the groups, pausing, serving the new adapter).
+                # The trainer's own time (pausing the replicas and saving included) is in the
+                # metrics; the rest of the train call is the hand-off around it: storing the
+                # groups before, and the replica serving the new adapter after.
                 curve.append(
                     {
                         "step": step,
@@ -277,7 +278,7 @@ async def run(args: argparse.Namespace) -> dict:
                 steps_bar.write(
                     f"step {step:>3}: reward {reward:.3f}  {trained}"
                     f"  (rollouts {curve[-1]['rollouts_s']:.1f}s, train {curve[-1]['train_call_s']:.1f}s"
-                    f" of which {m.get('step_total_s', 0):.2f}s in the trainer) -> policy {result.step}"
+                    f" of which {curve[-1]['trainer_s']:.2f}s in the trainer) -> policy {result.step}"
                 )
         finally:
             steps_bar.close()
