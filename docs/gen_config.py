@@ -41,7 +41,11 @@ ELSEWHERE = (
         "interpreter for vLLM replicas (default: this one if it has vllm, else"
         " `.venv-vllm/bin/python`); see [the vLLM engine](../guides/inference.md#the-vllm-engine)",
     ),
-    ("`VLLM_CPU_KVCACHE_SPACE`", "GiB of KV cache for vLLM on the CPU (default 2)"),
+    (
+        "`VLLM_CPU_KVCACHE_SPACE`",
+        "GiB of KV cache for vLLM on the CPU (default: four of the model's full contexts, at most 2 GiB"
+        " unless one context needs more)",
+    ),
     (
         "`ARTERY_INFERENCE_URL`",
         "the SDK sends every completion to this URL (a load balancer of your own) instead of the"

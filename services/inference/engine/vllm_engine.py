@@ -16,7 +16,8 @@ On the CPU the weights run in bfloat16 unless a dtype is given (about twice floa
 avx512_bf16 CPU; the trainer, in float32, corrects for the gap with truncated importance
 sampling, see ``services.trainer.losses``); ``dtype="float32"`` gives the trainer's own numbers
 (greedy output and logprobs equal to the transformers engine's, as ``make test-vllm`` checks). The
-KV cache gets ``VLLM_CPU_KVCACHE_SPACE`` GiB (2 unless set). vLLM's CPU LoRA kernels are replaced
+KV cache gets ``VLLM_CPU_KVCACHE_SPACE`` GiB when set, else what the model needs
+(``vllm_cpu_kv_cache``). vLLM's CPU LoRA kernels are replaced
 by ``vllm_cpu_compiled_lora``'s (one matmul per adapter in the batch, not a gathered copy of the
 weights per token, in ops torch.compile keeps opaque), its idle worker parks within
 milliseconds instead of polling a core for a second, and its warm-up pass before ready runs a short
@@ -60,9 +61,6 @@ from artery.shared.models import warm_start
 
 log = get_logger(__name__)
 
-#: GiB of KV cache on the CPU when ``VLLM_CPU_KVCACHE_SPACE`` is not set (SmolLM2-135M in float32
-#: needs ~46 KB a token: 2 GiB hold ~45k tokens; half that in bf16).
-CPU_KVCACHE_GIB = "2"
 #: The CPU's serving dtype when none is given (``ARTERY_INFERENCE_DTYPE``).
 CPU_DTYPE = "bfloat16"
 #: Imported by vLLM in its worker process: installs the compilable LoRA ops and a short idle spin.
@@ -143,13 +141,23 @@ class VLLMEngine:
         }
 
     def engine_config(self) -> Any:
-        """vLLM's ``VllmConfig`` from ``engine_args``; on the CPU with LoRA compiled, as vLLM
-        compiles it on the GPU (the worker extension gives its CPU LoRA wrapper ops it can compile;
+        """vLLM's ``VllmConfig`` from ``engine_args``; on the CPU with a KV cache of the model's
+        size (``vllm_cpu_kv_cache``, unless one is given) and LoRA compiled, as vLLM compiles it
+        on the GPU (the worker extension gives its CPU LoRA wrapper ops it can compile;
         ``enforce_eager`` keeps it eager)."""
         from vllm import AsyncEngineArgs
 
-        vllm_config = AsyncEngineArgs(**self.engine_args()).create_engine_config()
+        args = self.engine_args()
+        vllm_config = AsyncEngineArgs(**args).create_engine_config()
         if _on_cpu():
+            from artery.services.inference.engine import vllm_cpu_kv_cache
+
+            if not os.environ.get("VLLM_CPU_KVCACHE_SPACE") and args.get("kv_cache_memory_bytes") is None:
+                size = vllm_config.cache_config.kv_cache_memory_bytes = vllm_cpu_kv_cache.for_config(
+                    vllm_config
+                )
+                log.info("vLLM-CPU: KV cache sized to the model", mib=size >> 20)
+
             from artery.services.inference.engine.vllm_cpu_compiled_lora import compile_with_lora
 
             if compile_with_lora(vllm_config):
@@ -159,8 +167,6 @@ class VLLMEngine:
     async def start(self) -> None:
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        if _on_cpu():  # read by the engine core, a process spawned below
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KVCACHE_GIB)
         lifeline.tie_spawned_children()  # the engine core ends with this replica (vllm_cpu_worker)
         vllm_config = self.engine_config()
         self._can_sleep = bool(self.engine_args()["enable_sleep_mode"])
